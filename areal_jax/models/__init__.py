@@ -1,0 +1,1 @@
+"""Flax NNX decoder models, HF checkpoint I/O and tokenizers."""

@@ -1,0 +1,101 @@
+"""The decoder's hyper-parameters: one config covers Qwen2/Qwen2.5, Qwen3 and Llama-3."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from areal_jax.configuration import Config, ConfigError, option
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScalingConfig(Config):
+    """Llama-3 style RoPE frequency scaling (HF `rope_scaling` with `rope_type: llama3`)."""
+
+    factor: float = option(8.0, gt=0, doc="divisor applied to the low frequencies")
+    low_freq_factor: float = option(1.0, gt=0, doc="wavelengths above original/low_freq_factor are fully scaled")
+    high_freq_factor: float = option(4.0, gt=0, doc="wavelengths below original/high_freq_factor are unscaled")
+    original_max_position_embeddings: int = option(8192, ge=1, doc="context length the base model was trained on")
+
+    def validate(self) -> None:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                "high_freq_factor",
+                f"value {self.high_freq_factor} must be greater than low_freq_factor={self.low_freq_factor}",
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Config):
+    """Architecture and numerics of the decoder."""
+
+    family: Literal["qwen2", "qwen3", "llama"] = option("qwen2", doc="HF architecture family")
+    vocab_size: int = option(256, ge=1, doc="number of token ids")
+    hidden_size: int = option(64, ge=1, doc="model width D")
+    intermediate_size: int = option(128, ge=1, doc="SwiGLU hidden width F")
+    num_layers: int = option(2, ge=1, doc="decoder layers")
+    num_heads: int = option(4, ge=1, doc="query heads N")
+    num_kv_heads: int = option(2, ge=1, doc="key/value heads K (GQA); must divide num_heads")
+    head_dim: int | None = option(None, ge=1, doc="per-head width H; null = hidden_size / num_heads")
+    rope_theta: float = option(10000.0, gt=0, doc="RoPE base")
+    rope_scaling: RopeScalingConfig | None = option(None, doc="llama3 RoPE scaling; null = none")
+    rms_norm_eps: float = option(1e-6, gt=0, doc="RMSNorm epsilon")
+    qkv_bias: bool = option(True, doc="bias on q/k/v projections (Qwen2)")
+    qk_norm: bool = option(False, doc="RMSNorm on each head of q and k before RoPE (Qwen3)")
+    tie_word_embeddings: bool = option(False, doc="lm head shares the embedding matrix")
+    max_position_embeddings: int = option(4096, ge=1, doc="longest supported sequence")
+    param_dtype: Literal["float32", "bfloat16"] = option("float32", doc="storage dtype of parameters")
+    compute_dtype: Literal["float32", "bfloat16"] = option("float32", doc="matmul dtype; norms/softmax stay fp32")
+    remat: Literal["none", "full", "dots"] = option("none", doc="rematerialise each layer in the backward pass")
+    logprob_chunk: int = option(512, ge=1, doc="tokens per chunk when turning hidden states into log-probs")
+    attention_impl: Literal["xla"] = option("xla", doc="attention kernel; 'xla' is the portable one")
+    initializer_range: float = option(0.02, gt=0, doc="std of the normal init of fresh weights")
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("num_kv_heads", f"value {self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ConfigError(
+                "hidden_size",
+                f"value {self.hidden_size} must be a multiple of num_heads={self.num_heads} when head_dim is null",
+            )
+        if self.resolved_head_dim % 2:
+            raise ConfigError("head_dim", f"value {self.resolved_head_dim} must be even for RoPE")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def param_jnp_dtype(self) -> jnp.dtype:
+        return DTYPES[self.param_dtype]
+
+    @property
+    def compute_jnp_dtype(self) -> jnp.dtype:
+        return DTYPES[self.compute_dtype]
+
+    def num_params(self) -> int:
+        """Parameter count, embeddings included."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        n, k = self.num_heads, self.num_kv_heads
+        attn = d * n * h + 2 * d * k * h + n * h * d
+        if self.qkv_bias:
+            attn += n * h + 2 * k * h
+        if self.qk_norm:
+            attn += 2 * h
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    def matmul_flops_per_token(self, context_length: int) -> int:
+        """Forward FLOPs per token: 2 per weight in matmuls plus causal attention over `context_length`."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        n, k = self.num_heads, self.num_kv_heads
+        weights = self.num_layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + d * self.vocab_size
+        # QK^T and PV, 2 FLOPs per multiply-add each, over context_length / 2 keys on average (causal)
+        attention = self.num_layers * 2 * n * h * context_length
+        return 2 * weights + attention

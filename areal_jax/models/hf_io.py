@@ -1,0 +1,407 @@
+"""HF checkpoints (config.json + safetensors) to and from the NNX decoder.
+
+Loading reads each tensor straight into its target sharding with `jax.make_array_from_callback`: a
+device's shard is cut from the file (through a memory map) and nothing is gathered on one device
+first. Exporting writes a directory that `transformers` loads, atomically (temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from areal_jax.models.config import ModelConfig, RopeScalingConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.sharding import state_shardings
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
+_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# Tensors some checkpoints carry that the model derives or does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """An HF checkpoint that cannot be loaded as-is (unsupported option, missing or mis-shaped tensor)."""
+
+
+# -- config.json <-> ModelConfig ----------------------------------------------------------------
+
+
+def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """ModelConfig from the dict of an HF `config.json`; `overrides` set our own fields (dtypes, remat)."""
+    archs = hf.get("architectures") or []
+    family = _FAMILY_BY_ARCH.get(archs[0]) if archs else hf.get("model_type")
+    if family not in ARCHITECTURES:
+        raise CheckpointError(
+            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(ARCHITECTURES.values())}"
+        )
+    if hf.get("use_sliding_window"):
+        raise CheckpointError("use_sliding_window=true is not supported (sliding-window attention)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError("mlp_bias=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act={hf.get('hidden_act')!r} is not supported (only 'silu')")
+    rope = dict(hf.get("rope_parameters") or {})
+    legacy_scaling = hf.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling_dict = rope if rope.get("rope_type", "default") != "default" else dict(legacy_scaling)
+    rope_type = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise CheckpointError(f"rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'")
+    rope_scaling = None
+    if rope_type == "llama3":
+        rope_scaling = RopeScalingConfig(
+            factor=float(scaling_dict["factor"]),
+            low_freq_factor=float(scaling_dict["low_freq_factor"]),
+            high_freq_factor=float(scaling_dict["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling_dict["original_max_position_embeddings"]),
+        )
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    fields: dict[str, Any] = {
+        "family": family,
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": hf["num_attention_heads"],
+        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        "head_dim": hf.get("head_dim"),
+        "rope_theta": float(rope_theta),
+        "rope_scaling": rope_scaling,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "qkv_bias": True if family == "qwen2" else bool(hf.get("attention_bias", False)),
+        "qk_norm": family == "qwen3",
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
+        "param_dtype": "bfloat16" if dtype == "bfloat16" else "float32",
+        "initializer_range": float(hf.get("initializer_range", 0.02)),
+    }
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF `config.json` dict describing `cfg`."""
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    legacy_scaling = None
+    if cfg.rope_scaling is not None:
+        legacy_scaling = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+        rope.update(legacy_scaling)
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": legacy_scaling,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "dtype": _HF_DTYPE_NAMES[cfg.param_dtype],
+        "use_cache": True,
+    }
+    if cfg.family == "llama":
+        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
+    elif cfg.family == "qwen3":
+        hf.update(attention_bias=cfg.qkv_bias)
+    else:
+        hf.update(use_sliding_window=False, sliding_window=None)
+    return hf
+
+
+# -- parameter name and layout mapping ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMapping:
+    """How one of our parameters is stored in HF: name (with `{i}` for the layer), and the two layouts."""
+
+    hf_name: str
+    to_ours: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+    per_layer: bool
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def tensor_mappings(cfg: ModelConfig) -> dict[tuple[str, ...], TensorMapping]:
+    """Our state path -> HF tensor, for every parameter of `cfg`'s decoder."""
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    layer = "model.layers.{i}."
+
+    def linear_to_heads(heads: int) -> tuple[Callable, Callable]:  # HF [heads*H, D] <-> ours [D, heads, H]
+        return (lambda w: w.T.reshape(d, heads, h), lambda w: w.reshape(d, heads * h).T)
+
+    def bias_to_heads(heads: int) -> tuple[Callable, Callable]:  # [heads*H] <-> [heads, H]
+        return (lambda b: b.reshape(heads, h), lambda b: b.reshape(heads * h))
+
+    transpose = (lambda w: w.T, lambda w: w.T)
+    o_proj = (lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)  # HF [D, N*H] <-> [N, H, D]
+    table: dict[tuple[str, ...], tuple[str, tuple[Callable, Callable], bool]] = {
+        ("embed",): ("model.embed_tokens.weight", (_identity, _identity), False),
+        ("final_norm", "weight"): ("model.norm.weight", (_identity, _identity), False),
+        ("layers", "input_norm", "weight"): (layer + "input_layernorm.weight", (_identity, _identity), True),
+        ("layers", "post_attention_norm", "weight"): (
+            layer + "post_attention_layernorm.weight",
+            (_identity, _identity),
+            True,
+        ),
+        ("layers", "qkv", "q"): (layer + "self_attn.q_proj.weight", linear_to_heads(n), True),
+        ("layers", "qkv", "k"): (layer + "self_attn.k_proj.weight", linear_to_heads(k), True),
+        ("layers", "qkv", "v"): (layer + "self_attn.v_proj.weight", linear_to_heads(k), True),
+        ("layers", "o"): (layer + "self_attn.o_proj.weight", o_proj, True),
+        ("layers", "mlp", "gate"): (layer + "mlp.gate_proj.weight", transpose, True),
+        ("layers", "mlp", "up"): (layer + "mlp.up_proj.weight", transpose, True),
+        ("layers", "mlp", "down"): (layer + "mlp.down_proj.weight", transpose, True),
+    }
+    if cfg.qkv_bias:
+        table[("layers", "qkv", "q_bias")] = (layer + "self_attn.q_proj.bias", bias_to_heads(n), True)
+        table[("layers", "qkv", "k_bias")] = (layer + "self_attn.k_proj.bias", bias_to_heads(k), True)
+        table[("layers", "qkv", "v_bias")] = (layer + "self_attn.v_proj.bias", bias_to_heads(k), True)
+    if cfg.qk_norm:
+        table[("layers", "qkv", "q_norm", "weight")] = (layer + "self_attn.q_norm.weight", (_identity, _identity), True)
+        table[("layers", "qkv", "k_norm", "weight")] = (layer + "self_attn.k_norm.weight", (_identity, _identity), True)
+    if not cfg.tie_word_embeddings:
+        table[("lm_head",)] = ("lm_head.weight", transpose, False)
+    return {path: TensorMapping(name, fns[0], fns[1], per_layer) for path, (name, fns, per_layer) in table.items()}
+
+
+def _hf_names(mapping: TensorMapping, num_layers: int) -> list[str]:
+    if mapping.per_layer:
+        return [mapping.hf_name.format(i=i) for i in range(num_layers)]
+    return [mapping.hf_name]
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+class _SafetensorsReader:
+    """Name -> tensor access over `model.safetensors` or a sharded index, files opened once."""
+
+    def __init__(self, directory: Path, stack: ExitStack):
+        index = directory / "model.safetensors.index.json"
+        single = directory / "model.safetensors"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.file_of = {name: directory / fname for name, fname in weight_map.items()}
+        elif single.exists():
+            self.file_of = {}
+            with safe_open(str(single), framework="numpy") as handle:
+                self.file_of = dict.fromkeys(handle.keys(), single)
+        else:
+            raise CheckpointError(f"{directory}: neither model.safetensors nor model.safetensors.index.json found")
+        self._handles: dict[Path, Any] = {}
+        self._stack = stack
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def _handle(self, name: str) -> Any:
+        path = self.file_of[name]
+        if path not in self._handles:
+            if not path.exists():
+                raise CheckpointError(f"tensor {name!r}: shard file {path} listed in the index is missing")
+            self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="numpy"))
+        return self._handles[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+
+def _expected_hf_shape(mapping: TensorMapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = our_shape[1:] if mapping.per_layer else our_shape
+    return mapping.to_hf(np.empty(shape, np.int8)).shape
+
+
+def _check_tensors(
+    reader: _SafetensorsReader,
+    mappings: Mapping[tuple[str, ...], TensorMapping],
+    shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+    cfg: ModelConfig,
+) -> None:
+    expected_names: set[str] = set()
+    for path, mapping in mappings.items():
+        want = _expected_hf_shape(mapping, shapes[path])
+        for name in _hf_names(mapping, cfg.num_layers):
+            expected_names.add(name)
+            if name not in reader.file_of:
+                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (expected shape {want})")
+            got = reader.shape(name)
+            if got != want:
+                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {want} from config.json")
+    extra = sorted(n for n in reader.names() - expected_names if not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        logger.warning("ignoring %d checkpoint tensors the model does not use: %s", len(extra), extra[:8])
+
+
+def _array_from_file(
+    reader: _SafetensorsReader,
+    mapping: TensorMapping,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    sharding: jax.sharding.Sharding,
+    num_layers: int,
+) -> jax.Array:
+    """Build one parameter directly in `sharding`: every shard is cut from the file it needs."""
+
+    def layer_tensor(i: int | None) -> np.ndarray:
+        name = mapping.hf_name.format(i=i) if i is not None else mapping.hf_name
+        return mapping.to_ours(reader.read(name)).astype(dtype, copy=False)
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        if not mapping.per_layer:
+            return np.ascontiguousarray(layer_tensor(None)[index])
+        layers = range(*index[0].indices(num_layers))
+        return np.stack([layer_tensor(i)[index[1:]] for i in layers], axis=0)
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def load_hf_checkpoint(
+    directory: str | Path, mesh: Mesh | None = None, **config_overrides: Any
+) -> tuple[ModelConfig, Decoder]:
+    """Load an HF Qwen2/Qwen3/Llama directory into a `Decoder`, each tensor placed on its sharding
+    under `mesh` (or on the default device). `config_overrides` set ModelConfig fields."""
+    directory = Path(directory)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{config_file} not found")
+    cfg = model_config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    if mesh is not None:
+        shardings = state_shardings(abstract_state, mesh)
+    else:
+        replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(
+            lambda v: v.replace(replicated), abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    mappings = tensor_mappings(cfg)
+    flat_abstract = dict(nnx.to_flat_state(abstract_state))
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    unmapped = set(flat_abstract) - set(mappings)
+    if unmapped:
+        raise CheckpointError(f"no HF mapping for parameters {sorted(unmapped)}")
+    dtype = _NUMPY_DTYPES[cfg.param_dtype]
+    with ExitStack() as stack:
+        reader = _SafetensorsReader(directory, stack)
+        shapes = {path: tuple(var.get_value().shape) for path, var in flat_abstract.items()}
+        _check_tensors(reader, mappings, shapes, cfg)
+        loaded = {
+            path: var.replace(
+                _array_from_file(
+                    reader, mappings[path], shapes[path], dtype, flat_shardings[path].get_value(), cfg.num_layers
+                )
+            )
+            for path, var in flat_abstract.items()
+        }
+    state = nnx.from_flat_state(loaded)
+    return cfg, nnx.merge(graphdef, state)
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def iter_hf_tensors(cfg: ModelConfig, model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) for every tensor of `model`, in HF layout, one parameter on the host at a time."""
+    flat_state = dict(nnx.to_flat_state(nnx.state(model)))
+    for path, mapping in tensor_mappings(cfg).items():
+        value = _to_host(flat_state[path].get_value())
+        if mapping.per_layer:
+            for i in range(cfg.num_layers):
+                yield mapping.hf_name.format(i=i), np.ascontiguousarray(mapping.to_hf(value[i]))
+        else:
+            yield mapping.hf_name, np.ascontiguousarray(mapping.to_hf(value))
+
+
+def save_hf_checkpoint(
+    cfg: ModelConfig, model: Decoder, directory: str | Path, max_shard_bytes: int = 2 * 1024**3
+) -> Path:
+    """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
+    `transformers` loads. Written under a temporary name and renamed, so a crash leaves no partial
+    directory at `directory`. In multi-process runs every process gathers; process 0 writes."""
+    directory = Path(directory)
+    writer = jax.process_index() == 0
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    if writer:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    shard_names: list[list[str]] = []
+    pending: dict[str, np.ndarray] = {}
+    pending_bytes = total_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if writer:
+            save_file(pending, str(tmp / f"part-{len(shard_names):05d}.safetensors"), metadata={"format": "pt"})
+        shard_names.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    for name, array in iter_hf_tensors(cfg, model):
+        if pending and pending_bytes + array.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = array
+        pending_bytes += array.nbytes
+        total_bytes += array.nbytes
+    flush()
+    if not writer:
+        return directory
+    if len(shard_names) == 1:
+        (tmp / "part-00000.safetensors").rename(tmp / "model.safetensors")
+    else:
+        weight_map = {}
+        for i, names in enumerate(shard_names):
+            fname = f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors"
+            (tmp / f"part-{i:05d}.safetensors").rename(tmp / fname)
+            weight_map.update(dict.fromkeys(names, fname))
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(model_config_to_hf(cfg), indent=2))
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    previous = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        directory.rename(previous)
+    tmp.rename(directory)
+    if previous.exists():
+        shutil.rmtree(previous)
+    return directory

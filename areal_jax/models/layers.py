@@ -1,0 +1,124 @@
+"""The decoder's building blocks as Flax NNX modules, every parameter named by logical axes.
+
+Legend: B batch rows, T length, D model width, N query heads, K key/value heads, H head dim,
+F MLP width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.rope import apply_rope
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], cfg: ModelConfig, std: float) -> nnx.Param:
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(cfg.param_jnp_dtype), out_sharding=axes)
+
+
+def _const(shape: tuple[int, ...], axes: tuple[str, ...], cfg: ModelConfig, fill: float) -> nnx.Param:
+    return nnx.Param(jnp.full(shape, fill, cfg.param_jnp_dtype), out_sharding=axes)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, computed in fp32 (HF Llama/Qwen semantics)."""
+
+    def __init__(self, size: int, cfg: ModelConfig, axis_name: str = "norm"):
+        self.eps = cfg.rms_norm_eps
+        self.weight = _const((size,), (axis_name,), cfg, 1.0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        weight = self.weight[...].reshape((1,) * (x.ndim - 1) + (-1,))
+        return (weight * normed.astype(x.dtype)).astype(x.dtype)
+
+
+class QKVProjection(nnx.Module):
+    """q/k/v projections with optional bias (Qwen2) and per-head q/k RMSNorm (Qwen3), then RoPE."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        std = cfg.initializer_range
+        self.compute_dtype = cfg.compute_jnp_dtype
+        self.q = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg, std)
+        self.k = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
+        self.v = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
+        if cfg.qkv_bias:
+            self.q_bias = _const((n, h), ("heads", "head_dim"), cfg, 0.0)
+            self.k_bias = _const((k, h), ("kv_heads", "head_dim"), cfg, 0.0)
+            self.v_bias = _const((k, h), ("kv_heads", "head_dim"), cfg, 0.0)
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg, axis_name="head_dim")
+            self.k_norm = RMSNorm(h, cfg, axis_name="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x_BxTxD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        out = jnp.einsum("btd,dnh->btnh", x_BxTxD, kernel[...].astype(self.compute_dtype))
+        if bias is not None:
+            out = out + bias[...].astype(self.compute_dtype)[None, None]
+        return out
+
+    def __call__(
+        self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q_BxTxNxH = self._project(x_BxTxD, self.q, self.q_bias)
+        k_BxTxKxH = self._project(x_BxTxD, self.k, self.k_bias)
+        v_BxTxKxH = self._project(x_BxTxD, self.v, self.v_bias)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_BxTxNxH = self.q_norm(q_BxTxNxH)
+            k_BxTxKxH = self.k_norm(k_BxTxKxH)
+        return apply_rope(q_BxTxNxH, sin_BxTxH, cos_BxTxH), apply_rope(k_BxTxKxH, sin_BxTxH, cos_BxTxH), v_BxTxKxH
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.compute_dtype = cfg.compute_jnp_dtype
+        self.gate = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.initializer_range)
+        self.up = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.initializer_range)
+        self.down = _param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.initializer_range)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        dtype = self.compute_dtype
+        gate_BxTxF = x_BxTxD @ self.gate[...].astype(dtype)
+        up_BxTxF = x_BxTxD @ self.up[...].astype(dtype)
+        return (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ self.down[...].astype(dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm transformer block. Split in two halves around attention so callers choose the kernel
+    and where keys/values come from (fresh, or a KV cache)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg)
+        self.qkv = QKVProjection(cfg, rngs)
+        self.o = _param(
+            rngs,
+            (cfg.num_heads, cfg.resolved_head_dim, cfg.hidden_size),
+            ("heads", "head_dim", "embed"),
+            cfg,
+            cfg.initializer_range,
+        )
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = SwiGLU(cfg, rngs)
+        self.compute_dtype = cfg.compute_jnp_dtype
+
+    def attention_inputs(
+        self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,T,N,H], k and v [B,T,K,H] of the normed input, RoPE applied to q and k."""
+        return self.qkv(self.input_norm(x_BxTxD), sin_BxTxH, cos_BxTxH)
+
+    def finish(self, x_BxTxD: jax.Array, attention_BxTxNxH: jax.Array) -> jax.Array:
+        """Output projection, residual, then the MLP half of the block."""
+        h_BxTxD = x_BxTxD + jnp.einsum("btnh,nhd->btd", attention_BxTxNxH, self.o[...].astype(self.compute_dtype))
+        return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD))

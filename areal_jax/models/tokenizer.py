@@ -1,0 +1,476 @@
+"""Tokenizers for rollouts and training: HF tokenizer directories read without `transformers`, and a character one.
+
+`HFTokenizer.from_dir` reads a Hugging Face tokenizer directory (`tokenizer.json`, `tokenizer_config.json`,
+optionally `special_tokens_map.json`, `generation_config.json`, `chat_template.jinja`) through the `tokenizers`
+package and renders chat templates with jinja2 in the same sandboxed environment `transformers` uses, so the
+text and ids match `AutoTokenizer.apply_chat_template`. `CharTokenizer` is a fixed-alphabet tokenizer for
+synthetic tasks. Both satisfy the `Tokenizer` protocol; `load_tokenizer(spec)` picks one from a config string.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal, Protocol, overload, runtime_checkable
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+Messages = Sequence[Mapping[str, Any]]
+
+CHAR_SPEC = "char"
+DEFAULT_TEMPLATE = "default"
+TOOL_USE_TEMPLATE = "tool_use"
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What rollout and training code needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[True] = ...,
+        **extra_vars: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[False],
+        **extra_vars: Any,
+    ) -> str: ...
+
+
+def load_tokenizer(spec: str) -> HFTokenizer | CharTokenizer:
+    """`CharTokenizer()` for the spec "char", else the HF tokenizer directory at path `spec`."""
+    if spec == CHAR_SPEC:
+        return CharTokenizer()
+    return HFTokenizer.from_dir(spec)
+
+
+# --------------------------------------------------------------------------------------------- HF directories
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.cache
+def _chat_template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The jinja2 environment `transformers` renders chat templates in."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any, where: str) -> str | None:
+    """The string of a token entry that is null, a string or an AddedToken dict `{"content": ...}`."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"{where}: expected a token string or {{'content': ...}}, got {value!r}")
+
+
+def _added_token(value: Any, where: str, special: bool) -> tokenizers.AddedToken:
+    """An AddedToken from a string or a serialized AddedToken dict; strings take the given `special` flag."""
+    content = _token_content(value, where)
+    if content is None:
+        raise ValueError(f"{where}: expected a token, got null")
+    if isinstance(value, str):
+        return tokenizers.AddedToken(content, special=special)
+    flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+    return tokenizers.AddedToken(content, **{k: bool(value[k]) for k in flags if k in value})
+
+
+def _chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """Named chat templates; `chat_template.jinja` and `additional_chat_templates/` win over the config entry."""
+    from_files: dict[str, str] = {}
+    default_file = directory / "chat_template.jinja"
+    if default_file.is_file():
+        from_files[DEFAULT_TEMPLATE] = default_file.read_text(encoding="utf-8")
+    extra_dir = directory / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for template_file in sorted(extra_dir.glob("*.jinja")):
+            from_files[template_file.stem] = template_file.read_text(encoding="utf-8")
+    if from_files:
+        return from_files
+    entry = config.get("chat_template")
+    where = f"{directory / 'tokenizer_config.json'}: chat_template"
+    if entry is None:
+        return {}
+    if isinstance(entry, str):
+        return {DEFAULT_TEMPLATE: entry}
+    if isinstance(entry, list) and all(
+        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in entry
+    ):
+        return {t["name"]: t["template"] for t in entry}
+    raise ValueError(f"{where}: expected a string or a list of {{'name', 'template'}} dicts, got {entry!r}")
+
+
+def _special_tokens(
+    config: Mapping[str, Any], special_map: Mapping[str, Any], config_file: Path
+) -> tuple[dict[str, tokenizers.AddedToken], list[tokenizers.AddedToken]]:
+    """Named special tokens (`*_token` keys; the config wins over special_tokens_map.json) and unnamed extras."""
+    named: dict[str, tokenizers.AddedToken] = {}
+    for key in dict.fromkeys([*NAMED_SPECIAL_TOKENS, *config, *special_map]):
+        value = config.get(key)
+        if value is None:
+            value = special_map.get(key)
+        if key.endswith("_token") and isinstance(value, str | Mapping):
+            named[key] = _added_token(value, f"{config_file}: {key}", special=True)
+    extras: list[tokenizers.AddedToken] = []
+    for key in ("extra_special_tokens", "additional_special_tokens"):
+        value = config.get(key) or special_map.get(key) or []
+        if isinstance(value, Mapping):
+            named.update({k: _added_token(v, f"{config_file}: {key}.{k}", special=True) for k, v in value.items()})
+        else:
+            extras.extend(_added_token(v, f"{config_file}: {key}", special=True) for v in value)
+    return named, extras
+
+
+def _add_missing_tokens(
+    backend: tokenizers.Tokenizer,
+    added_tokens_decoder: Mapping[str, Any],
+    special: Sequence[tokenizers.AddedToken],
+    config_file: Path,
+) -> None:
+    """Adds the config's added tokens, then its special tokens, that tokenizer.json lacks, as `transformers` does."""
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    to_add: dict[str, tokenizers.AddedToken] = {}
+    for index in sorted(added_tokens_decoder, key=int):
+        token = _added_token(added_tokens_decoder[index], f"{config_file}: added_tokens_decoder.{index}", False)
+        if token.content not in present:
+            to_add.setdefault(token.content, token)
+    for token in special:
+        if token.content not in present and token.content not in to_add:
+            token.special = True
+            to_add[token.content] = token
+    backend.add_tokens(list(to_add.values()))
+
+
+def _eos_ids_from_generation_config(path: Path, generation_config: Mapping[str, Any]) -> list[int]:
+    value = generation_config.get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return values
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory, read through `tokenizers` and rendered through jinja2."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        path: Path,
+        special_tokens: Mapping[str, str],
+        chat_templates: Mapping[str, str],
+        extra_eos_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        pad_id: int | None = None,
+    ):
+        """Wraps `backend`; `special_tokens` maps names like "eos_token" to token strings already in `backend`."""
+        self.backend = backend
+        self.path = path
+        self.special_tokens = dict(special_tokens)
+        self.stop_strings = tuple(stop_strings)
+        self._ids = {name: backend.token_to_id(token) for name, token in self.special_tokens.items()}
+        env = _chat_template_environment()
+        self.chat_templates = dict(chat_templates)
+        self._compiled: dict[str, jinja2.Template] = {}
+        for name, source in self.chat_templates.items():
+            try:
+                self._compiled[name] = env.from_string(source)
+            except jinja2.exceptions.TemplateSyntaxError as e:
+                raise ValueError(f"{path}: chat template {name!r} does not compile: {e}") from e
+
+        stop_ids = [] if self.eos_id is None else [self.eos_id]
+        stop_ids += extra_eos_ids
+        for text in self.stop_strings:
+            ids = backend.encode(text, add_special_tokens=False).ids
+            if len(ids) == 1:
+                stop_ids.append(ids[0])
+        self._stop_token_ids = tuple(dict.fromkeys(stop_ids))
+
+        pad = self._ids.get("pad_token") if pad_id is None else pad_id
+        pad = self.eos_id if pad is None else pad
+        if pad is None:
+            raise ValueError(f"{path}: tokenizer has neither a pad_token nor an eos_token to pad with")
+        self._pad_id = pad
+
+    @classmethod
+    def from_dir(cls, path: str | Path, stop_strings: Sequence[str] = ()) -> HFTokenizer:
+        """Loads a tokenizer directory; `stop_strings` that encode to one token join `stop_token_ids`."""
+        directory = Path(path)
+        tokenizer_file = directory / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {directory}: expected a Hugging Face tokenizer directory")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        backend.no_padding()
+        backend.no_truncation()
+
+        config_file = directory / "tokenizer_config.json"
+        config = _read_json(config_file)
+        special_map = _read_json(directory / "special_tokens_map.json")
+        generation_file = directory / "generation_config.json"
+        generation_config = _read_json(generation_file)
+
+        named, extras = _special_tokens(config, special_map, config_file)
+        _add_missing_tokens(backend, config.get("added_tokens_decoder") or {}, [*named.values(), *extras], config_file)
+
+        pad_id = generation_config.get("pad_token_id") if "pad_token" not in named else None
+        return cls(
+            backend,
+            path=directory,
+            special_tokens={name: token.content for name, token in named.items()},
+            chat_templates=_chat_templates(directory, config),
+            extra_eos_ids=_eos_ids_from_generation_config(generation_file, generation_config),
+            stop_strings=stop_strings,
+            pad_id=pad_id if isinstance(pad_id, int) else None,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (`len(hf_tokenizer)`)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._ids.get("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._ids.get("eos_token")
+
+    @property
+    def pad_id(self) -> int:
+        """The pad token's id; else generation_config's pad_token_id; else the eos id."""
+        return self._pad_id
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The eos id, generation_config's eos ids, and the ids of single-token `stop_strings`, in that order."""
+        return self._stop_token_ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the tokenizer.json post-processor (e.g. a bos)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[True] = ...,
+        *,
+        template_name: str | None = ...,
+        **extra_vars: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[False],
+        template_name: str | None = ...,
+        **extra_vars: Any,
+    ) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        *,
+        template_name: str | None = None,
+        **extra_vars: Any,
+    ) -> list[int] | str:
+        """The conversation rendered by the chat template as `transformers` does, as ids or (tokenize=False) text.
+
+        `extra_vars` (e.g. `tools`, `enable_thinking`) reach the template next to the special token strings.
+        `template_name` picks one of several named templates; by default "tool_use" when tools are given and
+        the tokenizer has one, else "default".
+        """
+        if not messages:
+            raise ValueError("apply_chat_template needs at least one message, got an empty conversation")
+        template = self._template(template_name, has_tools=extra_vars.get("tools") is not None)
+        variables = {"tools": None, "documents": None, **self.special_tokens, **extra_vars}
+        text = template.render(
+            messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+        return self.encode(text) if tokenize else text
+
+    def _template(self, name: str | None, has_tools: bool) -> jinja2.Template:
+        if not self._compiled:
+            raise ValueError(
+                f"tokenizer at {self.path} has no chat template: looked for chat_template.jinja and the "
+                "chat_template entry of tokenizer_config.json"
+            )
+        if name is None:
+            name = TOOL_USE_TEMPLATE if has_tools and TOOL_USE_TEMPLATE in self._compiled else DEFAULT_TEMPLATE
+        if name not in self._compiled:
+            raise ValueError(f"tokenizer at {self.path} has no chat template {name!r}; it has {sorted(self._compiled)}")
+        return self._compiled[name]
+
+
+# --------------------------------------------------------------------------------------------- characters
+
+DEFAULT_ALPHABET = "0123456789+-*/=()., :QA\n"
+CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+
+
+class CharTokenizer:
+    """One token per character of a fixed alphabet, after `<pad>`=0, `<bos>`=1, `<eos>`=2.
+
+    Its chat template is "Q: {user}\\n" per user turn, "A: {assistant}\\n" per assistant turn and "A: " as the
+    generation prompt, so one user turn renders as "Q: {user}\\nA: ".
+    """
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+        if not alphabet:
+            raise ValueError("CharTokenizer alphabet is empty")
+        seen: set[str] = set()
+        for position, char in enumerate(alphabet):
+            if char in seen:
+                raise ValueError(f"CharTokenizer alphabet {alphabet!r} repeats {char!r} at position {position}")
+            seen.add(char)
+        self.alphabet = alphabet
+        self.pad_id = 0
+        self.bos_id = 1
+        self.eos_id = 2
+        self._char_to_id = {c: i + len(CHAR_SPECIAL_TOKENS) for i, c in enumerate(alphabet)}
+        self._id_to_text = [*CHAR_SPECIAL_TOKENS, *alphabet]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._id_to_text)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """One id per character; `add_special_tokens` prepends `<bos>`."""
+        ids = [self.bos_id] if add_special_tokens else []
+        for position, char in enumerate(text):
+            token = self._char_to_id.get(char)
+            if token is None:
+                raise ValueError(
+                    f"character {char!r} at position {position} of {text!r} is not in the alphabet {self.alphabet!r}"
+                )
+            ids.append(token)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The characters of `ids`; special tokens appear as "<pad>", "<bos>", "<eos>" unless skipped."""
+        pieces = []
+        for position, token in enumerate(ids):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} at position {position} is outside [0, {self.vocab_size})")
+            if not (skip_special_tokens and token < len(CHAR_SPECIAL_TOKENS)):
+                pieces.append(self._id_to_text[token])
+        return "".join(pieces)
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[True] = ...,
+        **extra_vars: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[False],
+        **extra_vars: Any,
+    ) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **extra_vars: Any,
+    ) -> list[int] | str:
+        """The fixed Q/A template over user and assistant turns; `extra_vars` are accepted and unused."""
+        prefixes = {"user": "Q: ", "assistant": "A: "}
+        parts = []
+        for index, message in enumerate(messages):
+            role = message.get("role")
+            if role not in prefixes:
+                raise ValueError(f"message {index} has role {role!r}; CharTokenizer renders only {sorted(prefixes)}")
+            parts.append(f"{prefixes[role]}{message['content']}\n")
+        if add_generation_prompt:
+            parts.append(prefixes["assistant"])
+        text = "".join(parts)
+        return self.encode(text) if tokenize else text

@@ -1,0 +1,68 @@
+"""Tiny random HF checkpoints (Qwen2, Qwen3, Llama-3) written by transformers, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+VARIANTS = {
+    "qwen2-untied": ("Qwen2Config", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "qwen3-tied": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=16, rope_theta=1000000.0)),
+    "llama3-tied": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
+}
+
+
+def make_hf_checkpoint(variant: str, directory: Path, seed: int = 0, dtype: str = "float32"):
+    """Create, randomise (biases and norms included) and save a tiny HF model; return the torch model."""
+    import torch
+    import transformers
+
+    config_cls, extra = VARIANTS[variant]
+    config = getattr(transformers, config_cls)(**TINY, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.05 * torch.randn_like(param))
+    model.eval()
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(directory)
+    return model
+
+
+def hf_logits(model, tokens: list[int]) -> np.ndarray:
+    """fp32 logits [T, V] of one unpadded sequence under the torch model."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]))
+    return out.logits[0].float().numpy()

@@ -1,0 +1,147 @@
+"""The decoder's three call paths agree: packed forward, chunked log-probs, prefill + decode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder, KVCache
+
+CFG = ModelConfig(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    initializer_range=0.2,
+    logprob_chunk=7,
+)
+
+
+def _alone(model, seq):
+    n = len(seq)
+    return model.logits(jnp.asarray([seq]), jnp.ones((1, n), jnp.int32), jnp.arange(n)[None])[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(CFG, nnx.Rngs(3))
+
+
+def test_packed_row_equals_each_sequence_alone(model):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (6, 11, 3)]
+    width = 24
+    tokens = np.zeros((1, width), np.int32)
+    segments = np.zeros_like(tokens)
+    positions = np.zeros_like(tokens)
+    offset = 0
+    for i, seq in enumerate(seqs):
+        tokens[0, offset : offset + len(seq)] = seq
+        segments[0, offset : offset + len(seq)] = i + 1
+        positions[0, offset : offset + len(seq)] = np.arange(len(seq))
+        offset += len(seq)
+    packed = model.logits(jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(positions))
+    assert not np.isnan(np.asarray(packed)).any()
+    offset = 0
+    for seq in seqs:
+        np.testing.assert_allclose(packed[0, offset : offset + len(seq)], _alone(model, seq), atol=2e-5)
+        offset += len(seq)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_equal_full_log_softmax(model, temperature):
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 20)), jnp.int32)  # 20 is not a multiple of 7
+    targets = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 20)), jnp.int32)
+    segments = jnp.ones((3, 20), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(20), (3, 20))
+    logp, entropy = model.token_logprobs(tokens, targets, segments, positions, temperature)
+    logits = np.asarray(model.logits(tokens, segments, positions), np.float64) / temperature
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    log_probs = logits - logz[..., None]
+    expected = np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logp, expected, atol=2e-5)
+    np.testing.assert_allclose(entropy, -(np.exp(log_probs) * log_probs).sum(-1), atol=2e-5)
+
+
+def test_prefill_then_decode_reproduces_full_forward(model):
+    rng = np.random.default_rng(2)
+    lengths = [4, 9]
+    total = 14
+    seqs = [rng.integers(0, CFG.vocab_size, total).tolist() for _ in lengths]
+    prompt = np.zeros((2, 16), np.int32)
+    for row, n in enumerate(lengths):
+        prompt[row, :n] = seqs[row][:n]
+    last_logits, prefix = model.prefill(jnp.asarray(prompt), jnp.asarray(lengths))
+    full = [_alone(model, s) for s in seqs]
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(last_logits[row], full[row][n - 1], atol=2e-5)
+    cache = KVCache.zeros(CFG, batch=2, length=32)
+    cache = KVCache(k=cache.k.at[:, :, :16].set(prefix.k), v=cache.v.at[:, :, :16].set(prefix.v))
+    positions = np.array(lengths)
+    for _ in range(total - max(lengths)):
+        tokens = jnp.asarray([seqs[row][positions[row]] for row in range(2)])
+        logits, cache = model.decode_step(tokens, jnp.asarray(positions), cache)
+        for row in range(2):
+            np.testing.assert_allclose(logits[row], full[row][positions[row]], atol=3e-5)
+        positions = positions + 1
+
+
+def test_decode_step_jitted_with_donated_cache_equals_eager(model):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tokens, positions, cache):
+        return nnx.merge(graphdef, state).decode_step(tokens, positions, cache)
+
+    step_donating = jax.jit(step.__wrapped__, donate_argnums=(3,))
+    cache = KVCache.zeros(CFG, batch=3, length=8)
+    tokens, positions = jnp.asarray([1, 2, 3]), jnp.asarray([0, 3, 5])
+    expected_logits, expected_cache = step(state, tokens, positions, cache)
+    logits, new_cache = step_donating(state, tokens, positions, KVCache.zeros(CFG, batch=3, length=8))
+    np.testing.assert_array_equal(logits, expected_logits)
+    np.testing.assert_array_equal(new_cache.k, expected_cache.k)
+    written = np.asarray(new_cache.k)[:, [0, 1, 2], [0, 3, 5]]
+    assert np.abs(written).sum() > 0
+    untouched = np.asarray(new_cache.k).copy()
+    untouched[:, [0, 1, 2], [0, 3, 5]] = 0
+    assert np.abs(untouched).sum() == 0
+
+
+def test_remat_keeps_value_and_gradient():
+    def loss(cfg):
+        model = Decoder(cfg, nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        tokens = jnp.arange(12, dtype=jnp.int32)[None] % cfg.vocab_size
+        seg = jnp.ones((1, 12), jnp.int32)
+        pos = jnp.arange(12)[None]
+
+        def f(state):
+            logp, _ = nnx.merge(graphdef, state).token_logprobs(tokens, jnp.roll(tokens, -1), seg, pos)
+            return logp.sum()
+
+        return jax.value_and_grad(f)(state)
+
+    v0, g0 = loss(CFG)
+    for remat in ("full", "dots"):
+        v1, g1 = loss(CFG.replace(remat=remat))
+        np.testing.assert_allclose(v1, v0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_compute_is_close_to_fp32():
+    fp32 = Decoder(CFG, nnx.Rngs(5))
+    bf16 = Decoder(CFG.replace(param_dtype="bfloat16", compute_dtype="bfloat16"), nnx.Rngs(5))
+    assert nnx.state(bf16)["embed"][...].dtype == jnp.bfloat16
+    tokens = jnp.arange(10, dtype=jnp.int32)[None]
+    seg, pos = jnp.ones((1, 10), jnp.int32), jnp.arange(10)[None]
+    a = fp32.logits(tokens, seg, pos)
+    b = bf16.logits(tokens, seg, pos)
+    assert b.dtype == jnp.float32
+    np.testing.assert_allclose(b, a, atol=0.1)
+    assert float(jnp.abs(b - a).max()) > 0  # bf16 really changed the numerics

@@ -1,0 +1,86 @@
+"""Meshes, logical sharding rules, and the sharded model on 8 virtual CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from areal_jax.configuration import ConfigError
+from areal_jax.models.hf_io import load_hf_checkpoint
+from areal_jax.sharding import MeshConfig, logical_to_spec, make_mesh, split_devices, state_shardings
+from tests.hf_fixtures import make_hf_checkpoint
+
+
+def test_eight_virtual_devices_are_configured():
+    assert jax.device_count() == 8, "tests/conftest.py sets XLA_FLAGS for 8 virtual CPU devices"
+
+
+def test_mesh_resolves_minus_one_and_refuses_bad_products():
+    assert MeshConfig(data=2, fsdp=-1, tensor=2).resolve(8) == (2, 2, 2)
+    assert MeshConfig(data=-1, fsdp=1, tensor=1).resolve(8) == (8, 1, 1)
+    with pytest.raises(ConfigError, match=r"mesh.*3 devices"):
+        MeshConfig(data=2, fsdp=1, tensor=1).resolve(3)
+    with pytest.raises(ConfigError, match="data"):
+        MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(ConfigError, match="tensor: value 0"):
+        MeshConfig(tensor=0)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_split_devices_by_ratio():
+    devices = jax.devices()
+    inference, trainer = split_devices(devices, 3, 1)
+    assert (len(inference), len(trainer)) == (6, 2)
+    assert set(inference).isdisjoint(trainer) and set(inference) | set(trainer) == set(devices)
+    assert split_devices(devices[:1], 3, 1) == (devices[:1], devices[:1])
+    assert [len(x) for x in split_devices(devices[:2], 7, 1)] == [1, 1]
+    sub_mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=2), inference)
+    assert dict(sub_mesh.shape) == {"data": 1, "fsdp": 3, "tensor": 2}
+
+
+def test_logical_rules_drop_axes_that_do_not_divide():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    assert logical_to_spec(("embed", "mlp"), (64, 128), mesh) == P("fsdp", "tensor")
+    assert logical_to_spec(("batch", None), (8, 3), mesh) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 1, 16), mesh) == P("fsdp", None, None)
+    assert logical_to_spec(("layers", "embed"), (3, 7), mesh) == P(None, None)
+    with pytest.raises(KeyError, match="'nonsense'"):
+        logical_to_spec(("nonsense",))
+
+
+def test_sharded_forward_equals_single_device_and_params_follow_rules(tmp_path):
+    make_hf_checkpoint("qwen2-untied", tmp_path)
+    _, single = load_hf_checkpoint(tmp_path)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    cfg, sharded = load_hf_checkpoint(tmp_path, mesh=mesh)
+
+    state = nnx.state(sharded)
+    expected = state_shardings(state, mesh)
+    for (path, var), (_, want) in zip(nnx.to_flat_state(state), nnx.to_flat_state(expected), strict=True):
+        assert var[...].sharding == want.get_value(), path
+    assert state["layers"]["mlp"]["up"][...].sharding.spec == P(None, "fsdp", "tensor")
+    assert state["embed"][...].sharding.spec == P(None, "fsdp")  # vocab 97 does not split over tensor=2
+    # 6 query heads over tensor=2; 2 KV heads over tensor=2
+    assert state["layers"]["qkv"]["q"][...].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert state["layers"]["qkv"]["k"][...].sharding.spec == P(None, "fsdp", "tensor", None)
+    shard_shape = state["layers"]["mlp"]["up"][...].addressable_shards[0].data.shape
+    assert shard_shape == (2, 24, 40)
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 16)), jnp.int32)
+    seg = jnp.ones((4, 16), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
+    batch_sharding = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None))
+    graphdef, sharded_state = nnx.split(sharded)
+
+    @jax.jit
+    def forward(state, tokens, seg, pos):
+        return nnx.merge(graphdef, state).logits(tokens, seg, pos)
+
+    out = forward(sharded_state, *(jax.device_put(x, batch_sharding) for x in (tokens, seg, pos)))
+    assert len(out.sharding.device_set) == 8
+    np.testing.assert_allclose(out, single.logits(tokens, seg, pos), atol=1e-5)
