@@ -125,6 +125,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         for candidate in options:
             if candidate is type(None):
                 continue
+            if isinstance(value, Mapping) and isinstance(candidate, type) and issubclass(candidate, Config):
+                return _coerce(key, value, candidate)  # a section's own errors name its inner key
             try:
                 return _coerce(key, value, candidate)
             except ConfigError:
@@ -239,15 +241,27 @@ def apply_overrides(cls: type[Config], data: dict[str, Any], overrides: Iterable
             if depth == len(keys) - 1:
                 node[key] = value
                 break
-            if not (isinstance(field_type, type) and issubclass(field_type, Config)):
+            inner = _section_type(field_type)
+            if inner is None:
                 raise ConfigError(
                     dotted, f"is a {_type_name(field_type)}, not a section; it has no key {keys[depth + 1]!r}"
                 )
-            node = node.setdefault(key, {})
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
             if not isinstance(node, dict):
                 raise ConfigError(dotted, "expected a mapping")
-            section_cls = field_type
+            section_cls = inner
     return data
+
+
+def _section_type(tp: Any) -> type[Config] | None:
+    """The Config class of a section field, also when declared optional (`Section | None`)."""
+    candidates = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, Config):
+            return candidate
+    return None
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -181,6 +181,7 @@ def build_tokenizer_dir(
 def tokenizer_pair(request, tmp_path_factory) -> tuple[HFTokenizer, Any]:
     """Ours and `transformers`' tokenizer over the same directory."""
     import transformers
+
     directory = build_tokenizer_dir(tmp_path_factory.mktemp("tok"), tokenizer_class=request.param)
     return HFTokenizer.from_dir(directory), transformers.AutoTokenizer.from_pretrained(str(directory))
 
@@ -241,6 +242,7 @@ def test_named_template_matches_transformers(tokenizer_pair):
 
 def test_chat_template_files_match_transformers(tmp_path):
     import transformers
+
     directory = build_tokenizer_dir(tmp_path / "tok", template_in_file=True)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     assert "chat_template" not in config

@@ -1,0 +1,93 @@
+"""The `areal-jax` command: `demo` (the current main job), `config` (print or describe a config),
+`convert` (re-export an HF checkpoint through our parameters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from areal_jax.configuration import ConfigError, describe, to_yaml
+
+logger = logging.getLogger("areal_jax")
+
+
+def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """First argument that is a YAML path (not key=value) is the config file; the rest are overrides."""
+    path = None
+    overrides = []
+    for arg in args:
+        if "=" not in arg and path is None:
+            path = arg
+        else:
+            overrides.append(arg)
+    return path, overrides
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from areal_jax.config import ExperimentConfig, load_experiment
+
+    if args.describe:
+        print("\n".join(describe(ExperimentConfig)))
+        return 0
+    path, overrides = _split_config_args(args.rest)
+    print(to_yaml(load_experiment(path, overrides)), end="")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from areal_jax.config import load_experiment
+    from areal_jax.demo import run_demo
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    started = time.perf_counter()
+    summary = run_demo(cfg)
+    summary["wall_seconds"] = round(time.perf_counter() - started, 2)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+
+    cfg, model = load_hf_checkpoint(args.source)
+    save_hf_checkpoint(cfg, model, args.destination, max_shard_bytes=args.max_shard_mb * 1024**2)
+    print(f"{args.source} -> {args.destination}: {cfg.family}, {cfg.num_params():,} parameters")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areal-jax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="generate and score completions on the embedded arithmetic task")
+    demo.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    demo.set_defaults(func=_cmd_demo)
+    config = sub.add_parser("config", help="print the resolved config as YAML")
+    config.add_argument("--describe", action="store_true", help="list every option with its range and doc")
+    config.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    config.set_defaults(func=_cmd_config)
+    convert = sub.add_parser("convert", help="load an HF checkpoint into areal-jax params and export it again")
+    convert.add_argument("source", type=Path)
+    convert.add_argument("destination", type=Path)
+    convert.add_argument("--max-shard-mb", type=int, default=2048)
+    convert.set_defaults(func=_cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prompt datasets, the rollout log and the trainer-side Grain pipeline."""

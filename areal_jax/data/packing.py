@@ -1,0 +1,236 @@
+"""Dynamic batching (AReaL Algorithm 1): pack variable-length sequences into fixed-shape micro-batches.
+
+Host-side NumPy. A micro-batch is a `[rows, length]` array whose rows hold whole sequences back to back,
+described by `segment_ids` (0 = padding, 1.. = the sequences of a row in order) and `positions` (0 at the
+start of every sequence). `pack_sequences` places sequences by first-fit-decreasing into rows of a fixed
+length (token budget / rows), so the number of micro-batches is the smallest this greedy finds, and pads
+that number up (to a multiple or a power of two) so only a few shapes ever reach jit. `fixed_count_plan`
+is the baseline for comparison: a fixed number of sequences per micro-batch, padded to the longest.
+Legend: N sequences, M micro-batches, B rows of a micro-batch, L row length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from areal_jax.configuration import Config, ConfigError, option
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingConfig(Config):
+    """Shape of the packed micro-batches and how their count is rounded."""
+
+    token_budget: int = option(8192, gt=0, doc="tokens per micro-batch (rows * row length)")
+    rows: int = option(8, gt=0, doc="rows per micro-batch; the row length is token_budget / rows")
+    microbatch_rounding: Literal["multiple", "pow2"] = option(
+        "multiple",
+        doc="pad the number of micro-batches up to a multiple of microbatch_multiple, or to a power of two",
+    )
+    microbatch_multiple: int = option(1, ge=1, doc="with rounding 'multiple': the micro-batch count is a multiple")
+
+    def validate(self) -> None:
+        if self.token_budget % self.rows:
+            raise ConfigError("token_budget", f"{self.token_budget} is not divisible by rows={self.rows}")
+        if self.microbatch_rounding == "pow2" and self.microbatch_multiple != 1:
+            raise ConfigError(
+                "microbatch_multiple", f"is {self.microbatch_multiple} but microbatch_rounding is 'pow2'; set it to 1"
+            )
+
+    @property
+    def row_length(self) -> int:
+        return self.token_budget // self.rows
+
+    def round_microbatches(self, count: int) -> int:
+        """The padded number of micro-batches for `count` needed ones."""
+        if self.microbatch_rounding == "pow2":
+            return 1 << max(count - 1, 0).bit_length()
+        return -(-count // self.microbatch_multiple) * self.microbatch_multiple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackPlan:
+    """Where every sequence went: sequence i, token t lies at (microbatch_N[i], row_N[i], offset_N[i] + t)."""
+
+    lengths_N: np.ndarray
+    microbatch_N: np.ndarray
+    row_N: np.ndarray
+    offset_N: np.ndarray
+    segment_N: np.ndarray
+    shapes: tuple[tuple[int, int], ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths_N)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths_N.sum())
+
+    @property
+    def capacity(self) -> int:
+        """Token slots in all micro-batches together, padding included."""
+        return sum(rows * length for rows, length in self.shapes)
+
+    def locate(self, seq: int, token: int) -> tuple[int, int, int]:
+        """(micro-batch, row, column) of token `token` of sequence `seq`."""
+        if not 0 <= seq < self.num_sequences:
+            raise IndexError(f"sequence {seq} out of range; the plan holds {self.num_sequences}")
+        if not 0 <= token < self.lengths_N[seq]:
+            raise IndexError(f"token {token} out of range for sequence {seq} of length {self.lengths_N[seq]}")
+        return int(self.microbatch_N[seq]), int(self.row_N[seq]), int(self.offset_N[seq] + token)
+
+    @functools.cached_property
+    def _bases(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([rows * length for rows, length in self.shapes])])
+
+    @functools.cached_property
+    def _token_slots(self) -> np.ndarray:
+        """Flat slot of every token (sequences concatenated in index order) in the concatenated micro-batches."""
+        lengths = np.array([length for _, length in self.shapes], dtype=np.int64)
+        starts_N = self._bases[self.microbatch_N] + self.row_N * lengths[self.microbatch_N] + self.offset_N
+        return np.repeat(starts_N, self.lengths_N) + self._token_ranks
+
+    @functools.cached_property
+    def _token_ranks(self) -> np.ndarray:
+        """Index of every token within its sequence (sequences concatenated in index order)."""
+        firsts_N = np.cumsum(self.lengths_N) - self.lengths_N
+        return np.arange(self.num_tokens) - np.repeat(firsts_N, self.lengths_N)
+
+    def _scatter(self, tokens: np.ndarray, pad_value: Any) -> list[np.ndarray]:
+        flat = np.full((self.capacity, *tokens.shape[1:]), pad_value, dtype=tokens.dtype)
+        flat[self._token_slots] = tokens
+        return [
+            flat[self._bases[m] : self._bases[m + 1]].reshape(rows, length, *tokens.shape[1:])
+            for m, (rows, length) in enumerate(self.shapes)
+        ]
+
+    def pack(self, values: Sequence[np.ndarray], pad_value: Any = 0) -> list[np.ndarray]:
+        """Per-token arrays of every sequence (`values[i]` of shape [len_i, ...]) → one [B, L, ...] per micro-batch."""
+        if len(values) != self.num_sequences:
+            raise ValueError(f"got {len(values)} sequences to pack; the plan holds {self.num_sequences}")
+        arrays = [np.asarray(v) for v in values]
+        for i, array in enumerate(arrays):
+            if array.ndim == 0 or array.shape[0] != self.lengths_N[i]:
+                raise ValueError(f"sequence {i} has shape {array.shape}; the plan expects length {self.lengths_N[i]}")
+        return self._scatter(np.concatenate(arrays), pad_value)
+
+    def broadcast(self, values_N: np.ndarray, pad_value: Any = 0) -> list[np.ndarray]:
+        """A per-sequence value (shape [N, ...]) written to each of its tokens, per micro-batch."""
+        values_N = np.asarray(values_N)
+        if values_N.shape[:1] != (self.num_sequences,):
+            raise ValueError(f"values_N has shape {values_N.shape}; expected leading axis {self.num_sequences}")
+        return self._scatter(np.repeat(values_N, self.lengths_N, axis=0), pad_value)
+
+    def segment_ids(self) -> list[np.ndarray]:
+        """[B, L] int32 per micro-batch: 0 on padding, 1.. for the sequences of a row in order."""
+        return self.broadcast(self.segment_N.astype(np.int32))
+
+    def positions(self) -> list[np.ndarray]:
+        """[B, L] int32 per micro-batch: the index of each token within its sequence (0 on padding)."""
+        return self._scatter(self._token_ranks.astype(np.int32), 0)
+
+    def seq_index(self) -> list[np.ndarray]:
+        """[B, L] int32 per micro-batch: the sequence each token belongs to, -1 on padding."""
+        return self.broadcast(np.arange(self.num_sequences, dtype=np.int32), pad_value=-1)
+
+    def unpack(self, packed: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Per-token outputs, one [B, L, ...] per micro-batch (or stacked [M, B, L, ...]) → one array per sequence."""
+        if len(packed) != self.num_microbatches:
+            raise ValueError(f"got {len(packed)} micro-batches; the plan has {self.num_microbatches}")
+        arrays = [np.asarray(p) for p in packed]
+        for m, (array, shape) in enumerate(zip(arrays, self.shapes, strict=True)):
+            if array.shape[:2] != shape:
+                raise ValueError(f"micro-batch {m} has shape {array.shape}; the plan expects {shape} leading")
+        flat = np.concatenate([a.reshape(-1, *a.shape[2:]) for a in arrays])
+        return np.split(flat[self._token_slots], np.cumsum(self.lengths_N)[:-1])
+
+
+def _check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    lengths_N = np.asarray(lengths)
+    if lengths_N.ndim != 1 or lengths_N.size == 0 or not np.issubdtype(lengths_N.dtype, np.integer):
+        raise ValueError(f"lengths must be a non-empty 1-d integer sequence; got {lengths_N.dtype} {lengths_N.shape}")
+    empty = np.flatnonzero(lengths_N < 1)
+    if empty.size:
+        raise ValueError(f"sequence {empty[0]} has length {lengths_N[empty[0]]}; every sequence needs >= 1 token")
+    return lengths_N.astype(np.int64)
+
+
+def pack_sequences(lengths: Sequence[int] | np.ndarray, config: PackingConfig) -> PackPlan:
+    """First-fit-decreasing placement of sequences into rows of `config.row_length`, rows grouped into
+    micro-batches of `config.rows`; every micro-batch has shape [rows, row_length].
+
+    A sequence longer than the row length is refused with an error naming its index and length.
+    """
+    lengths_N = _check_lengths(lengths)
+    row_length = config.row_length
+    too_long = np.flatnonzero(lengths_N > row_length)
+    if too_long.size:
+        i = int(too_long[0])
+        raise ValueError(
+            f"sequence {i} has length {lengths_N[i]} > row length {row_length} "
+            f"(token_budget {config.token_budget} / rows {config.rows}); it cannot be packed"
+        )
+    free_R = np.zeros(len(lengths_N), dtype=np.int64)  # at most one row per sequence
+    used_rows = 0
+    global_row_N = np.empty_like(lengths_N)
+    offset_N = np.empty_like(lengths_N)
+    segment_N = np.empty_like(lengths_N)
+    count_R = np.zeros_like(free_R)
+    for i in np.argsort(-lengths_N, kind="stable"):
+        fits = np.flatnonzero(free_R[:used_rows] >= lengths_N[i])
+        if fits.size:
+            r = fits[0]
+        else:
+            r = used_rows
+            free_R[r] = row_length
+            used_rows += 1
+        global_row_N[i] = r
+        offset_N[i] = row_length - free_R[r]
+        free_R[r] -= lengths_N[i]
+        count_R[r] += 1
+        segment_N[i] = count_R[r]
+    needed = -(-used_rows // config.rows)
+    num_microbatches = config.round_microbatches(needed)
+    return PackPlan(
+        lengths_N=lengths_N,
+        microbatch_N=global_row_N // config.rows,
+        row_N=global_row_N % config.rows,
+        offset_N=offset_N,
+        segment_N=segment_N,
+        shapes=((config.rows, row_length),) * num_microbatches,
+    )
+
+
+def fixed_count_plan(
+    lengths: Sequence[int] | np.ndarray, seqs_per_microbatch: int, length_multiple: int = 1
+) -> PackPlan:
+    """Baseline batching: consecutive sequences, `seqs_per_microbatch` per micro-batch, one per row, each
+    micro-batch padded to its longest sequence (rounded up to `length_multiple`); the last one gets empty rows."""
+    if seqs_per_microbatch < 1:
+        raise ValueError(f"seqs_per_microbatch must be >= 1; got {seqs_per_microbatch}")
+    if length_multiple < 1:
+        raise ValueError(f"length_multiple must be >= 1; got {length_multiple}")
+    lengths_N = _check_lengths(lengths)
+    index_N = np.arange(len(lengths_N))
+    microbatch_N = index_N // seqs_per_microbatch
+    num_microbatches = int(microbatch_N[-1]) + 1
+    longest_M = np.zeros(num_microbatches, dtype=np.int64)
+    np.maximum.at(longest_M, microbatch_N, lengths_N)
+    padded_M = -(-longest_M // length_multiple) * length_multiple
+    return PackPlan(
+        lengths_N=lengths_N,
+        microbatch_N=microbatch_N,
+        row_N=index_N % seqs_per_microbatch,
+        offset_N=np.zeros_like(lengths_N),
+        segment_N=np.ones_like(lengths_N),
+        shapes=tuple((seqs_per_microbatch, int(length)) for length in padded_M),
+    )

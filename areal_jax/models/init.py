@@ -1,0 +1,21 @@
+"""Fresh decoder parameters created directly in their shardings (no full copy on one device first)."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.sharding import state_shardings
+
+
+def create_decoder(cfg: ModelConfig, seed: int, mesh: Mesh | None = None) -> Decoder:
+    """A randomly initialised decoder; under `mesh`, each parameter is born sharded by the logical rules."""
+    if mesh is None:
+        return Decoder(cfg, nnx.Rngs(seed))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed))))
+    shardings = state_shardings(abstract_state, mesh)
+    state = jax.jit(lambda: nnx.state(Decoder(cfg, nnx.Rngs(seed))), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

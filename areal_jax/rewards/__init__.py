@@ -1,0 +1,1 @@
+"""Reward functions: math verification, sandboxed code execution, synthetic tasks."""

@@ -1,0 +1,1 @@
+"""The trainer: sharded train step, training loop, checkpoints."""

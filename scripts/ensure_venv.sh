@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv on first use and (re)install when a requirements file changed. Usage: ensure_venv.sh REQ_FILE
+set -euo pipefail
+cd "$(dirname "$0")/.."
+req="${1:-requirements.txt}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+if [ ! -x .venv/bin/python ]; then
+  "$python" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+stamp=".venv/.installed-$(basename "$req")"
+digest="$(cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
+  echo "installing $req into .venv ..." >&2
+  .venv/bin/python -m pip install --quiet -r "$req"
+  .venv/bin/python -m pip install --quiet --no-deps -e .
+  echo "$digest" > "$stamp"
+fi
