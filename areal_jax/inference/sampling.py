@@ -1,22 +1,82 @@
 """Token sampling that reports the log-prob of each drawn token under the distribution it came from.
 
-With temperature tau > 0 a token is drawn from softmax(logits / tau) and its log-prob is taken under
-that same tempered distribution, which is what the trainer must recompute (same tau) for importance
-ratios. tau = 0 means greedy (argmax); its reported log-prob is under softmax(logits), i.e. tau = 1.
+Per row (request slot) with temperature tau, top-k k and top-p p:
+  1. z = logits / tau                                   (tau = 0 means greedy: argmax of the logits)
+  2. top-k keeps the k largest z (k = 0: all);
+  3. top-p keeps, of those, the smallest prefix (by decreasing z) whose renormalised mass reaches p
+     (p = 1: all); ties with the last kept value are kept too;
+  4. the token is drawn from softmax(z) restricted to the kept set, and its reported log-prob is
+     log softmax over the kept set: the *behaviour* distribution actually sampled.
+The trainer's recomputed log-probs (`Decoder.token_logprobs` at the same tau) are over the full
+vocabulary, so with plain temperature sampling behaviour and trainer log-probs agree exactly; with
+top-k/top-p the behaviour log-prob is larger by log(mass of the kept set), and the decoupled
+objective's importance weight pi_prox / pi_behav then accounts for the truncation (see
+docs/sampling.md). Greedy tokens report their log-prob under softmax(logits) (tau = 1, no truncation).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from areal_jax.configuration import Config, option
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams(Config):
+    """How to sample one request."""
+
+    temperature: float = option(1.0, ge=0, doc="softmax temperature; 0 = greedy")
+    top_k: int = option(0, ge=0, doc="keep the k most likely tokens; 0 = off")
+    top_p: float = option(1.0, gt=0, le=1, doc="nucleus mass to keep; 1 = off")
+    max_new_tokens: int = option(256, ge=1, doc="generated tokens at most")
+    stop_token_ids: tuple[int, ...] = option((), doc="tokens that end a sample (included in the output)")
+    stop_strings: tuple[str, ...] = option((), doc="texts that end a sample when the output ends with one")
+    seed: int | None = option(None, ge=0, doc="per-request seed; null = drawn by the generator")
+
+
+def truncate_logits(scaled_SxV: jax.Array, top_k_S: jax.Array, top_p_S: jax.Array) -> jax.Array:
+    """Set to -inf every entry outside each row's top-k / top-p set (see module docstring)."""
+    vocab = scaled_SxV.shape[-1]
+    sorted_SxV = -jnp.sort(-scaled_SxV, axis=-1)
+    k_S = jnp.where(top_k_S > 0, jnp.minimum(top_k_S, vocab), vocab)
+    rank_1xV = jnp.arange(vocab)[None, :]
+    in_top_k_SxV = rank_1xV < k_S[:, None]
+    probs_SxV = jax.nn.softmax(jnp.where(in_top_k_SxV, sorted_SxV, -jnp.inf), axis=-1)
+    mass_before_SxV = jnp.cumsum(probs_SxV, axis=-1) - probs_SxV
+    kept_S = jnp.sum(in_top_k_SxV & (mass_before_SxV < top_p_S[:, None]), axis=-1)
+    kept_S = jnp.maximum(kept_S, 1)
+    threshold_S = jnp.take_along_axis(sorted_SxV, (kept_S - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(scaled_SxV >= threshold_S[:, None], scaled_SxV, -jnp.inf)
+
+
+def sample_slots(
+    logits_SxV: jax.Array,
+    keys_S: jax.Array,
+    temperature_S: jax.Array,
+    top_k_S: jax.Array,
+    top_p_S: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """(tokens [S] int32, behaviour log-probs [S] fp32), one draw per row with that row's key and params."""
+    logits_SxV = logits_SxV.astype(jnp.float32)
+    greedy_S = temperature_S <= 0
+    scaled_SxV = logits_SxV / jnp.where(greedy_S, 1.0, temperature_S)[:, None]
+    truncating = jnp.any((top_k_S > 0) | (top_p_S < 1.0))
+    restricted_SxV = jax.lax.cond(truncating, lambda z: truncate_logits(z, top_k_S, top_p_S), lambda z: z, scaled_SxV)
+    drawn_S = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_S, restricted_SxV)
+    tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
+    logp_SxV = jnp.where(
+        greedy_S[:, None], jax.nn.log_softmax(logits_SxV, axis=-1), jax.nn.log_softmax(restricted_SxV, axis=-1)
+    )
+    return tokens_S, jnp.take_along_axis(logp_SxV, tokens_S[:, None], axis=-1)[:, 0]
+
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: float | jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B] int32, log-probs [B] fp32) drawn at `temperature` (0 = greedy)."""
-    logits_BxV = logits_BxV.astype(jnp.float32)
-    greedy = temperature <= 0
-    scaled_BxV = logits_BxV / jnp.where(greedy, 1.0, temperature)
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
-    drawn_B = jax.random.categorical(key, scaled_BxV, axis=-1)
-    tokens_B = jnp.where(greedy, jnp.argmax(logits_BxV, axis=-1), drawn_B).astype(jnp.int32)
-    return tokens_B, jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    """Plain temperature sampling of a batch with one key (0 = greedy): (tokens [B], log-probs [B])."""
+    b = logits_BxV.shape[0]
+    temperature_B = jnp.full((b,), temperature, jnp.float32)
+    return sample_slots(
+        logits_BxV, jax.random.split(key, b), temperature_B, jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32)
+    )

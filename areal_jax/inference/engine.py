@@ -1,0 +1,268 @@
+"""The inference engine with JetStream's Engine API shape: prefill, insert, generate over a slot KV cache.
+
+- `prefill(params, padded_tokens, true_length)` runs one prompt (padded to a power-of-two bucket, so a
+  new prompt length never compiles a new program) and returns a `Prefix`: its KV cache and the logits
+  of its last token.
+- `insert(prefix, decode_state, slot, sampling, key)` copies the prefix into a slot of the decode
+  state and samples the slot's first token from the prefix logits. The n samples of one prompt share a
+  prefill: its prefix is inserted into n slots, each with its own key.
+- `generate(params, decode_state)` feeds every slot's pending token at its position (writing its K/V in
+  place; the decode state is donated), samples each slot's next token, and returns the tokens it fed
+  with their behaviour log-probs. A slot's first `generate` thus emits the token sampled at insert.
+
+Params are versioned (`VersionedParams`); the version is host-side bookkeeping for the generator.
+Legend: S slots, T cache length, V vocab, Y layers, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.inference.sampling import SamplingParams, sample_slots
+from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.sharding import logical_to_spec, state_shardings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(Config):
+    """Capacity of the engine."""
+
+    max_slots: int = option(32, ge=1, doc="concurrent sequences (decode batch)")
+    max_length: int = option(1024, ge=2, doc="cache length per slot: prompt + generated tokens at most")
+    min_prefill_bucket: int = option(16, ge=1, doc="shortest prefill length bucket")
+
+    def validate(self) -> None:
+        if self.min_prefill_bucket > self.max_length:
+            raise ConfigError(
+                "min_prefill_bucket", f"value {self.min_prefill_bucket} exceeds max_length={self.max_length}"
+            )
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Power-of-two prefill lengths from min_prefill_bucket up to max_length (which is always one)."""
+        buckets = []
+        size = 1 << (self.min_prefill_bucket - 1).bit_length()
+        while size < self.max_length:
+            buckets.append(size)
+            size *= 2
+        return (*buckets, self.max_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionedParams:
+    """Model weights and the policy version that produced them."""
+
+    state: nnx.State
+    version: int
+
+
+@flax.struct.dataclass
+class Prefix:
+    """One prefilled prompt: KV [Y, 1, Tb, K, H], the last prompt token's logits [V] and the length."""
+
+    cache: KVCache
+    logits: jax.Array
+    length: jax.Array
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """Everything a decode step reads and writes, one row per slot."""
+
+    cache: KVCache  # [Y, S, T, K, H]
+    positions: jax.Array  # [S] where the pending token is written next
+    tokens: jax.Array  # [S] the pending (sampled, not yet fed) token
+    logprobs: jax.Array  # [S] its behaviour log-prob
+    keys: jax.Array  # [S, 2] uint32 key data of each slot's stream
+    temperature: jax.Array  # [S]
+    top_k: jax.Array  # [S]
+    top_p: jax.Array  # [S]
+
+
+@flax.struct.dataclass
+class ResultTokens:
+    """What one generate step emitted: per slot the token fed and its behaviour log-prob."""
+
+    tokens: jax.Array  # [S]
+    logprobs: jax.Array  # [S]
+
+
+def bucket_for(length: int, buckets: tuple[int, ...]) -> int:
+    for size in buckets:
+        if length <= size:
+            return size
+    raise ValueError(f"length {length} exceeds the largest prefill bucket {buckets[-1]}")
+
+
+class Engine:
+    """Prefill / insert / generate over one model, on an inference mesh (or one device)."""
+
+    def __init__(self, model: Decoder, config: EngineConfig, mesh: Mesh | None = None):
+        self.model_config = model.config
+        self.config = config
+        self.mesh = mesh
+        self.graphdef, state = nnx.split(model)
+        self.param_shardings = state_shardings(state, mesh) if mesh is not None else None
+        self.buckets = config.prefill_buckets()
+        self._decode_shardings = self._make_decode_shardings()
+        self._prefill = jax.jit(self._prefill_impl)
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
+        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(self._decode_shardings, None))
+
+    # -- JetStream Engine API ---------------------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_length
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    def load_params(self, state: nnx.State, version: int) -> VersionedParams:
+        """Place weights on the engine's shardings (no host round trip when they are already on device)."""
+        if self.param_shardings is not None:
+            state = jax.device_put(state, self.param_shardings)
+        return VersionedParams(state=state, version=version)
+
+    def init_decode_state(self) -> DecodeState:
+        cfg, s = self.model_config, self.config.max_slots
+
+        def make() -> DecodeState:
+            return DecodeState(
+                cache=KVCache.zeros(cfg, s, self.config.max_length),
+                positions=jnp.zeros((s,), jnp.int32),
+                tokens=jnp.zeros((s,), jnp.int32),
+                logprobs=jnp.zeros((s,), jnp.float32),
+                keys=jnp.zeros((s, 2), jnp.uint32),
+                temperature=jnp.ones((s,), jnp.float32),
+                top_k=jnp.zeros((s,), jnp.int32),
+                top_p=jnp.ones((s,), jnp.float32),
+            )
+
+        return jax.jit(make, out_shardings=self._decode_shardings)()
+
+    def pad_tokens(self, tokens: list[int] | np.ndarray) -> tuple[np.ndarray, int]:
+        """Right-pad a prompt to its bucket: (padded [Tb] int32, true length)."""
+        n = len(tokens)
+        if n == 0 or n >= self.config.max_length:
+            raise ValueError(f"prompt length {n} must be in [1, {self.config.max_length - 1}] (engine max_length)")
+        padded = np.zeros(bucket_for(n, self.buckets), np.int32)
+        padded[:n] = tokens
+        return padded, n
+
+    def prefill(self, params: VersionedParams, padded_tokens: np.ndarray, true_length: int) -> Prefix:
+        return self._prefill(params.state, jnp.asarray(padded_tokens), jnp.asarray(true_length, jnp.int32))
+
+    def insert(
+        self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling: SamplingParams, key: jax.Array
+    ) -> DecodeState:
+        """Put `prefix` into `slot` and sample the slot's first token with `sampling` and `key`."""
+        top_k = np.int32(sampling.top_k)
+        return self._insert(
+            prefix,
+            decode_state,
+            jnp.asarray(slot, jnp.int32),
+            jax.random.key_data(key),
+            jnp.float32(sampling.temperature),
+            top_k,
+            jnp.float32(sampling.top_p),
+        )
+
+    def generate(self, params: VersionedParams, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        return self._generate(params.state, decode_state)
+
+    # -- compiled bodies -----------------------------------------------------------------------
+
+    def _make_decode_shardings(self) -> Any:
+        if self.mesh is None:
+            return None
+        cache_spec = logical_to_spec(
+            ("layers", "slots", "length", "kv_heads", "head_dim"),
+            (
+                self.model_config.num_layers,
+                self.config.max_slots,
+                self.config.max_length,
+                self.model_config.num_kv_heads,
+                self.model_config.resolved_head_dim,
+            ),
+            self.mesh,
+        )
+        slot_spec = logical_to_spec(("slots",), (self.config.max_slots,), self.mesh)
+        cache = NamedSharding(self.mesh, cache_spec)
+        per_slot = NamedSharding(self.mesh, slot_spec)
+        keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (self.config.max_slots, 2), self.mesh))
+        return DecodeState(
+            cache=KVCache(k=cache, v=cache),
+            positions=per_slot,
+            tokens=per_slot,
+            logprobs=per_slot,
+            keys=keys,
+            temperature=per_slot,
+            top_k=per_slot,
+            top_p=per_slot,
+        )
+
+    def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:
+        logits_1xV, cache = nnx.merge(self.graphdef, state).prefill(tokens_T[None, :], length[None])
+        return Prefix(cache=cache, logits=logits_1xV[0], length=length)
+
+    def _insert_impl(
+        self,
+        prefix: Prefix,
+        ds: DecodeState,
+        slot: jax.Array,
+        key_data: jax.Array,
+        temperature: jax.Array,
+        top_k: jax.Array,
+        top_p: jax.Array,
+    ) -> DecodeState:
+        zero = jnp.zeros((), jnp.int32)
+        index = (zero, slot, zero, zero, zero)
+        k = jax.lax.dynamic_update_slice(ds.cache.k, prefix.cache.k.astype(ds.cache.k.dtype), index)
+        v = jax.lax.dynamic_update_slice(ds.cache.v, prefix.cache.v.astype(ds.cache.v.dtype), index)
+        key, sample_key = jax.random.split(jax.random.wrap_key_data(key_data))
+        token, logp = sample_slots(prefix.logits[None], sample_key[None], temperature[None], top_k[None], top_p[None])
+        return DecodeState(
+            cache=KVCache(k=k, v=v),
+            positions=ds.positions.at[slot].set(prefix.length),
+            tokens=ds.tokens.at[slot].set(token[0]),
+            logprobs=ds.logprobs.at[slot].set(logp[0]),
+            keys=ds.keys.at[slot].set(jax.random.key_data(key)),
+            temperature=ds.temperature.at[slot].set(temperature),
+            top_k=ds.top_k.at[slot].set(top_k),
+            top_p=ds.top_p.at[slot].set(top_p),
+        )
+
+    def _generate_impl(self, state: nnx.State, ds: DecodeState) -> tuple[DecodeState, ResultTokens]:
+        model = nnx.merge(self.graphdef, state)
+        # Slots whose position ran past the cache (idle or finished) write harmlessly at the last entry.
+        positions = jnp.minimum(ds.positions, self.config.max_length - 1)
+        logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache)
+        split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
+        next_keys, sample_keys = split[:, 0], split[:, 1]
+        tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
+        emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs)
+        new_state = ds.replace(
+            cache=cache,
+            positions=ds.positions + 1,
+            tokens=tokens,
+            logprobs=logprobs,
+            keys=jax.vmap(jax.random.key_data)(next_keys),
+        )
+        return new_state, emitted

@@ -1,0 +1,396 @@
+"""The continuous-batching driver: a request queue feeding engine slots, refilled as soon as any
+sequence finishes, with interruptible weight updates.
+
+One background thread owns the engine and its decode state; callers submit requests from any thread
+(`submit`) or coroutine (`await generate(...)`). Each loop iteration, between two decode steps:
+  1. applies a pending weight update: with `interrupt=True`, every in-flight sample drops its slot (its
+     KV cache was made with the old weights) and is queued first for a re-prefill of prompt + tokens
+     generated so far; with `interrupt=False`, admission stops until in-flight samples finish on the
+     old weights, then the weights are swapped;
+  2. admits queued work into free slots (a new request's n samples share one prefill);
+  3. runs one decode step over all slots and hands each emitted token to its sample, which checks its
+     stop conditions.
+Every output token keeps the behaviour log-prob and the policy version it was sampled with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.inference.engine import DecodeState, Engine, Prefix, VersionedParams
+from areal_jax.inference.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """One finished sample."""
+
+    request_id: str
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    output_versions: tuple[int, ...]
+    finish_reason: FinishReason
+    num_interruptions: int
+    timings: dict[str, float]
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    n: int
+    future: concurrent.futures.Future
+    submitted: float
+    samples: list[_Sample] = dataclasses.field(default_factory=list)
+    aborted: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    request: _Request
+    index: int
+    key: jax.Array
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    pending_version: int = -1
+    slot: int | None = None
+    interruptions: int = 0
+    first_token_time: float | None = None
+    result: GenerationResult | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _PrefillJob:
+    """Tokens to prefill and the samples waiting for that prefix (n for a new request, 1 for a resume)."""
+
+    tokens: tuple[int, ...]
+    samples: collections.deque[_Sample]
+    prefix: Prefix | None = None
+    prefix_version: int = -1
+
+
+@dataclasses.dataclass
+class _Update:
+    params: VersionedParams
+    interrupt: bool
+    done: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class GeneratorStats:
+    prefills: int = 0
+    decode_steps: int = 0
+    emitted_tokens: int = 0
+    interruptions: int = 0
+    updates: int = 0
+    busy_slot_steps: int = 0
+
+
+class Generator:
+    """Continuous batching over an `Engine`; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        params: VersionedParams,
+        *,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+        seed: int = 0,
+        admission: Literal["continuous", "static"] = "continuous",
+    ):
+        self.engine = engine
+        self.params = params
+        self.detokenize = detokenize
+        self.admission = admission
+        self.stats = GeneratorStats()
+        self._seed_key = jax.random.key(seed)
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[_PrefillJob] = collections.deque()
+        self._updates: collections.deque[_Update] = collections.deque()
+        self._aborts: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        self._slots: list[_Sample | None] = [None] * engine.max_concurrent_decodes
+        self._paused = False
+        self._idle_ack = threading.Event()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._decode_state: DecodeState = engine.init_decode_state()
+        self._thread = threading.Thread(target=self._run, name="areal-generator", daemon=True)
+        self._thread.start()
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def submit(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> concurrent.futures.Future[list[GenerationResult]]:
+        """Queue a prompt for n samples; the future resolves with the n results, in sample order."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        prompt = tuple(int(t) for t in prompt_ids)
+        self.engine.pad_tokens(list(prompt))  # validates the length now, at the boundary
+        request_id = request_id or f"req-{next(self._ids)}"
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        request = _Request(request_id, prompt, sampling, n, future, time.perf_counter())
+        base = (
+            jax.random.key(sampling.seed)
+            if sampling.seed is not None
+            else jax.random.fold_in(self._seed_key, next(self._ids))
+        )
+        request.samples = [_Sample(request, i, jax.random.fold_in(base, i)) for i in range(n)]
+        with self._cond:
+            self._check_open()
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._requests[request_id] = request
+            self._jobs.append(_PrefillJob(prompt, collections.deque(request.samples)))
+            self._cond.notify_all()
+        return future
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
+    ) -> list[GenerationResult]:
+        return await asyncio.wrap_future(self.submit(prompt_ids, sampling, n, request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its samples finish with reason 'abort' and the tokens generated so far."""
+        with self._cond:
+            self._aborts.add(request_id)
+            self._cond.notify_all()
+
+    def pause(self) -> None:
+        """Stop admitting and decoding (in-flight samples keep their slots); returns once the loop is idle."""
+        with self._cond:
+            self._paused = True
+            self._idle_ack.clear()
+            self._cond.notify_all()
+        self._idle_ack.wait()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def update_params(self, state: nnx.State, version: int, interrupt: bool = True) -> concurrent.futures.Future:
+        """Swap in new weights between two decode steps; the future resolves once they are in use."""
+        params = self.engine.load_params(state, version)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._check_open()
+            self._updates.append(_Update(params, interrupt, done))
+            self._cond.notify_all()
+        return done
+
+    @property
+    def version(self) -> int:
+        return self.params.version
+
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._requests)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("generator loop failed") from self._error
+        if self._closed:
+            raise RuntimeError("generator is closed")
+
+    def _has_active(self) -> bool:
+        return any(s is not None for s in self._slots)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and (
+                        self._paused or not (self._jobs or self._updates or self._aborts or self._has_active())
+                    ):
+                        if self._paused:
+                            self._idle_ack.set()
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    aborts, self._aborts = self._aborts, set()
+                    update = self._updates[0] if self._updates else None
+                self._apply_aborts(aborts)
+                if update is not None and self._try_apply_update(update):
+                    with self._cond:
+                        self._updates.popleft()
+                    continue
+                if update is None or update.interrupt:
+                    self._admit()
+                if self._has_active():
+                    self._step()
+        except BaseException as err:  # surface loop failures to every waiter
+            logger.exception("generator loop failed")
+            self._error = err
+            with self._cond:
+                for request in self._requests.values():
+                    if not request.future.done():
+                        request.future.set_exception(err)
+                for upd in self._updates:
+                    upd.done.set_exception(err)
+        finally:
+            self._idle_ack.set()
+            with self._cond:
+                for request in self._requests.values():
+                    if not request.future.done():
+                        request.future.set_exception(RuntimeError("generator closed"))
+
+    def _try_apply_update(self, update: _Update) -> bool:
+        """Apply `update` now if its mode allows; True when applied."""
+        if not update.interrupt and self._has_active():
+            return False  # drain on the old weights first
+        for slot, sample in enumerate(self._slots):
+            if sample is None:
+                continue
+            sample.slot = None
+            sample.interruptions += 1
+            self._slots[slot] = None
+            self.stats.interruptions += 1
+            self._jobs.appendleft(
+                _PrefillJob(sample.request.prompt_ids + tuple(sample.output_ids), collections.deque([sample]))
+            )
+        for job in self._jobs:
+            job.prefix = None  # prefixes made with the old weights
+        self.params = update.params
+        self.stats.updates += 1
+        update.done.set_result(update.params.version)
+        logger.debug("weights v%d in use (interrupt=%s)", update.params.version, update.interrupt)
+        return True
+
+    def _apply_aborts(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            request.aborted = True
+            for sample in request.samples:
+                if sample.result is None:
+                    self._finish(sample, "abort")
+            for job in list(self._jobs):
+                job.samples = collections.deque(s for s in job.samples if s.result is None)
+                if not job.samples:
+                    self._jobs.remove(job)
+
+    def _admit(self) -> None:
+        if self.admission == "static" and self._has_active():
+            return
+        free = [slot for slot, s in enumerate(self._slots) if s is None]
+        while free:
+            with self._cond:
+                if not self._jobs:
+                    return
+                job = self._jobs[0]
+            if job.prefix is None:
+                padded, length = self.engine.pad_tokens(list(job.tokens))
+                job.prefix = self.engine.prefill(self.params, padded, length)
+                job.prefix_version = self.params.version
+                self.stats.prefills += 1
+            while free and job.samples:
+                sample = job.samples.popleft()
+                slot = free.pop(0)
+                key = jax.random.fold_in(sample.key, len(sample.output_ids))
+                self._decode_state = self.engine.insert(
+                    job.prefix, self._decode_state, slot, sample.request.sampling, key
+                )
+                sample.slot = slot
+                sample.pending_version = job.prefix_version
+                self._slots[slot] = sample
+            if not job.samples:
+                with self._cond:
+                    self._jobs.popleft()
+
+    def _step(self) -> None:
+        self._decode_state, emitted = self.engine.generate(self.params, self._decode_state)
+        tokens, logprobs = (np.asarray(x) for x in jax.device_get((emitted.tokens, emitted.logprobs)))
+        now = time.perf_counter()
+        self.stats.decode_steps += 1
+        for slot, sample in enumerate(self._slots):
+            if sample is None:
+                continue
+            self.stats.busy_slot_steps += 1
+            self.stats.emitted_tokens += 1
+            sample.output_ids.append(int(tokens[slot]))
+            sample.logprobs.append(float(logprobs[slot]))
+            sample.versions.append(sample.pending_version)
+            sample.pending_version = self.params.version
+            if sample.first_token_time is None:
+                sample.first_token_time = now
+            reason = self._stop_reason(sample)
+            if reason is not None:
+                self._finish(sample, reason)
+
+    def _stop_reason(self, sample: _Sample) -> FinishReason | None:
+        sampling = sample.request.sampling
+        if sample.output_ids[-1] in sampling.stop_token_ids:
+            return "stop"
+        if sampling.stop_strings and self.detokenize is not None:
+            text = self.detokenize(sample.output_ids)
+            if any(text.endswith(s) for s in sampling.stop_strings):
+                return "stop"
+        if len(sample.output_ids) >= sampling.max_new_tokens:
+            return "length"
+        if len(sample.request.prompt_ids) + len(sample.output_ids) >= self.engine.config.max_length:
+            return "length"
+        return None
+
+    def _finish(self, sample: _Sample, reason: FinishReason) -> None:
+        if sample.slot is not None:
+            self._slots[sample.slot] = None
+            sample.slot = None
+        request = sample.request
+        now = time.perf_counter()
+        sample.result = GenerationResult(
+            request_id=request.request_id,
+            sample_index=sample.index,
+            prompt_ids=request.prompt_ids,
+            output_ids=tuple(sample.output_ids),
+            output_logprobs=tuple(sample.logprobs),
+            output_versions=tuple(sample.versions),
+            finish_reason=reason,
+            num_interruptions=sample.interruptions,
+            timings={
+                "queued_to_first_token": (sample.first_token_time or now) - request.submitted,
+                "total": now - request.submitted,
+            },
+        )
+        if all(s.result is not None for s in request.samples):
+            with self._cond:
+                self._requests.pop(request.request_id, None)
+            request.future.set_result([s.result for s in request.samples])

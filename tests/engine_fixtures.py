@@ -1,0 +1,48 @@
+"""Small models and reference computations shared by the engine and generator tests."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+
+TINY = ModelConfig(
+    vocab_size=48,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    initializer_range=0.3,
+)
+
+
+def tiny_model(seed: int = 0) -> Decoder:
+    return Decoder(TINY, nnx.Rngs(seed))
+
+
+def greedy_reference(model: Decoder, prompt: list[int], steps: int) -> list[int]:
+    """Argmax decoding by full forwards without any cache."""
+    seq = list(prompt)
+    for _ in range(steps):
+        n = len(seq)
+        logits = model.logits(jnp.asarray([seq]), jnp.ones((1, n), jnp.int32), jnp.arange(n)[None])
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt) :]
+
+
+def scoring_logprobs(model: Decoder, prompt: list[int], output: list[int], temperature: float) -> np.ndarray:
+    """The trainer-side log-prob of each output token given everything before it."""
+    seq = list(prompt) + list(output)
+    n = len(seq)
+    logp, _ = model.token_logprobs(
+        jnp.asarray([seq]),
+        jnp.asarray([[*seq[1:], 0]]),
+        jnp.ones((1, n), jnp.int32),
+        jnp.arange(n)[None],
+        temperature,
+    )
+    return np.asarray(logp[0, len(prompt) - 1 : n - 1])
