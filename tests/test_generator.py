@@ -89,7 +89,7 @@ def test_many_concurrent_requests_each_answered_once_with_bounded_compiles(model
                 assert stop_token not in result.output_ids
         assert gen.num_in_flight() == 0
         assert gen.stats.prefills == 200
-    assert engine._generate._cache_size() == 1
+    assert engine._generate._cache_size() <= len(engine.buckets)
     assert engine._prefill._cache_size() <= len(engine.buckets)
     assert engine._insert._cache_size() <= len(engine.buckets)
 

@@ -145,3 +145,17 @@ def test_bf16_compute_is_close_to_fp32():
     assert b.dtype == jnp.float32
     np.testing.assert_allclose(b, a, atol=0.1)
     assert float(jnp.abs(b - a).max()) > 0  # bf16 really changed the numerics
+
+
+def test_decode_reading_a_cache_prefix_equals_reading_all(model):
+    cache = KVCache.zeros(CFG, batch=3, length=32)
+    rng = np.random.default_rng(4)
+    cache = KVCache(
+        k=jnp.asarray(rng.standard_normal(cache.k.shape), jnp.float32),
+        v=jnp.asarray(rng.standard_normal(cache.v.shape), jnp.float32),
+    )
+    tokens, positions = jnp.asarray([1, 2, 3]), jnp.asarray([0, 5, 7])
+    full_logits, full_cache = model.decode_step(tokens, positions, cache)
+    short_logits, short_cache = model.decode_step(tokens, positions, cache, attend_length=8)
+    np.testing.assert_allclose(short_logits, full_logits, atol=1e-6)
+    np.testing.assert_array_equal(short_cache.k, full_cache.k)

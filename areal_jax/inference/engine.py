@@ -118,7 +118,12 @@ class Engine:
         self._decode_shardings = self._make_decode_shardings()
         self._prefill = jax.jit(self._prefill_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
-        self._generate = jax.jit(self._generate_impl, donate_argnums=(1,), out_shardings=(self._decode_shardings, None))
+        self._generate = jax.jit(
+            self._generate_impl,
+            static_argnums=(2,),
+            donate_argnums=(1,),
+            out_shardings=(self._decode_shardings, None),
+        )
 
     # -- JetStream Engine API ---------------------------------------------------------------------
 
@@ -184,8 +189,15 @@ class Engine:
             jnp.float32(sampling.top_p),
         )
 
-    def generate(self, params: VersionedParams, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
-        return self._generate(params.state, decode_state)
+    def generate(
+        self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
+    ) -> tuple[DecodeState, ResultTokens]:
+        """One decode step over all slots. `max_position` (host-side: the largest position any active slot
+        writes this step) lets the step read only a bucketed prefix of the cache."""
+        attend_length = None if max_position is None else bucket_for(max_position + 1, self.buckets)
+        if attend_length == self.config.max_length:
+            attend_length = None
+        return self._generate(params.state, decode_state, attend_length)
 
     # -- compiled bodies -----------------------------------------------------------------------
 
@@ -249,11 +261,15 @@ class Engine:
             top_p=ds.top_p.at[slot].set(top_p),
         )
 
-    def _generate_impl(self, state: nnx.State, ds: DecodeState) -> tuple[DecodeState, ResultTokens]:
+    def _generate_impl(
+        self, state: nnx.State, ds: DecodeState, attend_length: int | None
+    ) -> tuple[DecodeState, ResultTokens]:
         model = nnx.merge(self.graphdef, state)
-        # Slots whose position ran past the cache (idle or finished) write harmlessly at the last entry.
-        positions = jnp.minimum(ds.positions, self.config.max_length - 1)
-        logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache)
+        # Idle or finished slots write harmlessly at a clamped position of their own row; their output
+        # is ignored. Active slots are always below attend_length.
+        limit = self.config.max_length if attend_length is None else attend_length
+        positions = jnp.minimum(ds.positions, limit - 1)
+        logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)

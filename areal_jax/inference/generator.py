@@ -337,7 +337,8 @@ class Generator:
                     self._jobs.popleft()
 
     def _step(self) -> None:
-        self._decode_state, emitted = self.engine.generate(self.params, self._decode_state)
+        max_position = max(len(s.request.prompt_ids) + len(s.output_ids) for s in self._slots if s is not None)
+        self._decode_state, emitted = self.engine.generate(self.params, self._decode_state, max_position)
         tokens, logprobs = (np.asarray(x) for x in jax.device_get((emitted.tokens, emitted.logprobs)))
         now = time.perf_counter()
         self.stats.decode_steps += 1

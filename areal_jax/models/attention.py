@@ -55,10 +55,53 @@ def xla_attention(
     return out_BxTxKxGxH.reshape(b, t, n, h)
 
 
+def xla_decode_attention(
+    q_Bx1xNxH: jax.Array,
+    k_cache_BxSxKxH: jax.Array,
+    v_cache_BxSxKxH: jax.Array,
+    k_new_Bx1xKxH: jax.Array,
+    v_new_Bx1xKxH: jax.Array,
+    *,
+    cache_valid_BxS: jax.Array,
+) -> jax.Array:
+    """One query token per row attending to the valid cache entries and to its own new key/value.
+
+    The new key/value is kept out of the cache (no copy of the cache is made); the two score sets share
+    one softmax. The caller writes the new keys/values into the cache afterwards.
+    """
+    b, _, n, h = q_Bx1xNxH.shape
+    k_heads = k_cache_BxSxKxH.shape[2]
+    q_BxKxGxH = q_Bx1xNxH.reshape(b, k_heads, n // k_heads, h)
+    scale = h**-0.5
+    cache_scores_BxKxGxS = (
+        jnp.einsum("bkgh,bskh->bkgs", q_BxKxGxH, k_cache_BxSxKxH, preferred_element_type=jnp.float32) * scale
+    )
+    cache_scores_BxKxGxS = jnp.where(
+        cache_valid_BxS[:, None, None, :], cache_scores_BxKxGxS, jnp.finfo(jnp.float32).min
+    )
+    self_scores_BxKxG = (
+        jnp.einsum("bkgh,bkh->bkg", q_BxKxGxH, k_new_Bx1xKxH[:, 0], preferred_element_type=jnp.float32) * scale
+    )
+    top_BxKxG = jnp.maximum(cache_scores_BxKxGxS.max(axis=-1), self_scores_BxKxG)
+    cache_weights_BxKxGxS = jnp.exp(cache_scores_BxKxGxS - top_BxKxG[..., None])
+    self_weights_BxKxG = jnp.exp(self_scores_BxKxG - top_BxKxG)
+    total_BxKxG = cache_weights_BxKxGxS.sum(axis=-1) + self_weights_BxKxG
+    out_BxKxGxH = jnp.einsum(
+        "bkgs,bskh->bkgh",
+        cache_weights_BxKxGxS.astype(v_cache_BxSxKxH.dtype),
+        v_cache_BxSxKxH,
+        preferred_element_type=jnp.float32,
+    ) + self_weights_BxKxG[..., None] * v_new_Bx1xKxH[:, 0, :, None, :].astype(jnp.float32)
+    out_BxKxGxH = out_BxKxGxH / total_BxKxG[..., None]
+    return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
+
+
 ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": xla_attention}
+DECODE_ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": xla_decode_attention}
 
 
-def get_attention(name: str) -> AttentionFn:
-    if name not in ATTENTION_IMPLS:
-        raise KeyError(f"attention implementation {name!r} unknown; available: {sorted(ATTENTION_IMPLS)}")
-    return ATTENTION_IMPLS[name]
+def get_attention(name: str, decode: bool = False) -> AttentionFn:
+    impls = DECODE_ATTENTION_IMPLS if decode else ATTENTION_IMPLS
+    if name not in impls:
+        raise KeyError(f"attention implementation {name!r} unknown; available: {sorted(impls)}")
+    return impls[name]

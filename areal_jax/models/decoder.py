@@ -171,40 +171,38 @@ class Decoder(nnx.Module):
 
     # -- (c) decode ---------------------------------------------------------------------------
 
-    def decode_step(self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Feed one token per slot at `positions_B`; write its keys/values into the cache at that
-        position and attend to cache entries 0..position. Returns fp32 logits [B, V] and the cache."""
-        attend = get_attention(self.config.attention_impl)
-        b, s = cache.k.shape[1], cache.k.shape[2]
-        positions_Bx1 = positions_B[:, None]
-        kv_positions_BxS = jnp.broadcast_to(jnp.arange(s)[None, :], (b, s))
-        kv_segment_ids_BxS = (kv_positions_BxS <= positions_Bx1).astype(jnp.int32)
-        q_segment_ids_Bx1 = jnp.ones((b, 1), jnp.int32)
-        sin, cos = self._rope(positions_Bx1)
-        rows_B = jnp.arange(b)
+    def decode_step(
+        self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, attend_length: int | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Feed one token per slot at `positions_B`: attend to cache entries before that position plus
+        the token itself, then write its keys/values into the cache at that position (one scatter over
+        all layers after the scan, so with a donated cache nothing is copied). With `attend_length`
+        (static, > every position) only that prefix of the cache is read. Returns fp32 logits [B, V]
+        and the cache."""
+        attend = get_attention(self.config.attention_impl, decode=True)
+        b = cache.k.shape[1]
+        s = cache.k.shape[2] if attend_length is None else attend_length
+        cache_valid_BxS = jnp.arange(s)[None, :] < positions_B[:, None]
+        sin, cos = self._rope(positions_B[:, None])
 
-        def body(carry: tuple[jax.Array, jax.Array, jax.Array], layer: DecoderLayer, index: jax.Array):
-            x_Bx1xD, k_all, v_all = carry
+        def body(x_Bx1xD: jax.Array, layer: DecoderLayer, index: jax.Array):
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
-            k_all = k_all.at[index, rows_B, positions_B].set(k[:, 0].astype(k_all.dtype))
-            v_all = v_all.at[index, rows_B, positions_B].set(v[:, 0].astype(v_all.dtype))
-            out = attend(
-                q,
-                k_all[index],
-                v_all[index],
-                q_segment_ids=q_segment_ids_Bx1,
-                kv_segment_ids=kv_segment_ids_BxS,
-                q_positions=positions_Bx1,
-                kv_positions=kv_positions_BxS,
-            )
-            return (layer.finish(x_Bx1xD, out), k_all, v_all), None
+            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+            k_cache = jax.lax.dynamic_index_in_dim(cache.k, index, axis=0, keepdims=False)[:, :s]
+            v_cache = jax.lax.dynamic_index_in_dim(cache.v, index, axis=0, keepdims=False)[:, :s]
+            out = attend(q, k_cache, v_cache, k, v, cache_valid_BxS=cache_valid_BxS)
+            return layer.finish(x_Bx1xD, out), (k[:, 0], v[:, 0])
 
-        embedded = self._embed(tokens_B[:, None])
-        (x_Bx1xD, k_all, v_all), _ = self._scan_layers(body, (embedded, cache.k, cache.v))
+        x_Bx1xD, (k_new_YxBxKxH, v_new_YxBxKxH) = self._scan_layers(body, self._embed(tokens_B[:, None]))
+        rows_B = jnp.arange(b)
+        cache = KVCache(
+            k=cache.k.at[:, rows_B, positions_B].set(k_new_YxBxKxH),
+            v=cache.v.at[:, rows_B, positions_B].set(v_new_YxBxKxH),
+        )
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return logits_BxV, KVCache(k=k_all, v=v_all)
+        return logits_BxV, cache
 
 
 def chunked_logprobs(

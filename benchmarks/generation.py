@@ -1,0 +1,199 @@
+"""Generation throughput, three side-by-side comparisons in one run:
+
+1. continuous vs static batching (static: a batch of slots waits for its longest member) on
+   long-tailed output lengths, same engine and requests;
+2. this engine vs HF transformers `generate` (torch, CPU) on the same ~3M-parameter Qwen2-shaped
+   checkpoint, 64 sequences x 64 new tokens, sampling; plus the engine's model FLOP/s as a fraction
+   of the matmul peak measured in the same run;
+3. interruptible vs non-interruptible weight updates arriving every K decode steps.
+
+Prints `name: value unit` lines; the last three are `ratio continuous_vs_static`, `ratio engine_vs_hf`
+and `ratio interruptible_vs_not` (the headline of the part run last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.inference.engine import Engine, EngineConfig
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.sampling import SamplingParams
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+
+QWEN2_3M = ModelConfig(
+    family="qwen2", vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
+    num_kv_heads=2, max_position_embeddings=1024, initializer_range=0.05,
+)
+
+
+def long_tailed_lengths(count: int, cap: int, seed: int) -> list[int]:
+    """Output lengths with a heavy tail: most short, a few near `cap`."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(4 + rng.lognormal(mean=2.2, sigma=1.0, size=count)), 4, cap).astype(int).tolist()
+
+
+def run_requests(gen: Generator, prompts: list[list[int]], lengths: list[int], temperature: float) -> float:
+    """Submit all requests at once; return emitted tokens per second until the last one finishes."""
+    started = time.perf_counter()
+    futures = [
+        gen.submit(p, SamplingParams(temperature=temperature, max_new_tokens=n, seed=i))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    tokens = sum(len(f.result(timeout=1200)[0].output_ids) for f in futures)
+    return tokens / (time.perf_counter() - started)
+
+
+def prompts_for(count: int, vocab: int, seed: int, low: int = 8, high: int = 24) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+def warm(engine: Engine, params, prompts: list[list[int]]) -> None:
+    with Generator(engine, params) as gen:
+        run_requests(gen, prompts[:4], [3] * 4, 1.0)
+
+
+def continuous_vs_static(quick: bool) -> float:
+    model = Decoder(QWEN2_3M, nnx.Rngs(0))
+    slots, count, cap = (8, 48, 96) if quick else (16, 160, 192)
+    engine = Engine(model, EngineConfig(max_slots=slots, max_length=256))
+    params = engine.load_params(nnx.state(model), 0)
+    prompts = prompts_for(count, QWEN2_3M.vocab_size, seed=1)
+    lengths = long_tailed_lengths(count, cap, seed=2)
+    warm(engine, params, prompts)
+    results = {}
+    for admission in ("static", "continuous"):
+        with Generator(engine, params, admission=admission) as gen:
+            results[admission] = run_requests(gen, prompts, lengths, 1.0)
+            print(f"{admission}_slot_utilisation: {gen.stats.busy_slot_steps / (gen.stats.decode_steps * slots):.2f}")
+        print(f"{admission}_throughput: {results[admission]:.1f} tokens/s")
+    print(f"output_length_mean_max: {np.mean(lengths):.1f} / {max(lengths)} tokens")
+    ratio = results["continuous"] / results["static"]
+    print(f"ratio continuous_vs_static: {ratio:.2f}")
+    return ratio
+
+
+def matmul_peak() -> float:
+    a = jax.numpy.asarray(np.random.default_rng(0).standard_normal((1024, 1024)), np.float32) / 32
+    chain = jax.jit(lambda x: x @ a @ a @ a @ a)
+    chain(a).block_until_ready()
+    best = min(_timed(lambda: chain(a).block_until_ready()) for _ in range(5))
+    return 4 * 2 * 1024**3 / best
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def engine_vs_hf(quick: bool) -> float:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    sequences, new_tokens = 64, 64
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(QWEN2_3M, Decoder(QWEN2_3M, nnx.Rngs(0)), Path(tmp) / "ckpt")
+        cfg, model = load_hf_checkpoint(Path(tmp) / "ckpt")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "ckpt", dtype=torch.float32)
+    hf_model.eval()
+    prompt_len = 16
+    prompts = prompts_for(sequences, cfg.vocab_size, seed=3, low=prompt_len, high=prompt_len + 1)
+
+    engine = Engine(model, EngineConfig(max_slots=sequences, max_length=128))
+    params = engine.load_params(nnx.state(model), 0)
+    warm(engine, params, prompts)
+    with Generator(engine, params) as gen:
+        started = time.perf_counter()
+        engine_tps = run_requests(gen, prompts, [new_tokens] * sequences, 1.0)
+        engine_seconds = time.perf_counter() - started
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    input_ids = torch.tensor(prompts)
+    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                     min_new_tokens=new_tokens, pad_token_id=0)
+    with torch.no_grad():
+        hf_model.generate(input_ids[:4], **{**hf_kwargs, "max_new_tokens": 3, "min_new_tokens": 3})
+        started = time.perf_counter()
+        out = hf_model.generate(input_ids, **hf_kwargs)
+        hf_seconds = time.perf_counter() - started
+    hf_tps = (out.shape[1] - prompt_len) * sequences / hf_seconds
+
+    peak = matmul_peak()
+    context = prompt_len + new_tokens / 2
+    engine_flops = cfg.matmul_flops_per_token(int(2 * context)) * sequences * new_tokens / engine_seconds
+    print(f"model_parameters: {cfg.num_params() / 1e6:.2f} M")
+    print(f"matmul_peak: {peak / 1e9:.1f} GFLOP/s")
+    print(f"engine_throughput: {engine_tps:.1f} tokens/s")
+    print(f"hf_generate_throughput: {hf_tps:.1f} tokens/s")
+    print(f"engine_flops_fraction_of_peak: {engine_flops / peak:.3f} fraction")
+    ratio = engine_tps / hf_tps
+    print(f"ratio engine_vs_hf: {ratio:.2f}")
+    return ratio
+
+
+def interruptible_vs_not(quick: bool) -> float:
+    model = Decoder(QWEN2_3M, nnx.Rngs(0))
+    new_state = nnx.state(Decoder(QWEN2_3M, nnx.Rngs(1)))
+    slots, count, cap, every = (8, 48, 96, 16) if quick else (16, 160, 192, 24)
+    engine = Engine(model, EngineConfig(max_slots=slots, max_length=256))
+    params = engine.load_params(nnx.state(model), 0)
+    prompts = prompts_for(count, QWEN2_3M.vocab_size, seed=4)
+    lengths = long_tailed_lengths(count, cap, seed=5)
+    warm(engine, params, prompts)
+    results = {}
+    for interrupt in (False, True):
+        with Generator(engine, params) as gen:
+            stop = threading.Event()
+            updates = [0]
+
+            def publisher(gen=gen, stop=stop, updates=updates, interrupt=interrupt) -> None:
+                next_at = every
+                while not stop.is_set():
+                    if gen.stats.decode_steps >= next_at:
+                        updates[0] += 1
+                        gen.update_params(new_state, updates[0], interrupt=interrupt).result()
+                        next_at = gen.stats.decode_steps + every
+                    time.sleep(0.0005)
+
+            thread = threading.Thread(target=publisher, daemon=True)
+            thread.start()
+            results[interrupt] = run_requests(gen, prompts, lengths, 1.0)
+            stop.set()
+            thread.join()
+            name = "interruptible" if interrupt else "non_interruptible"
+            print(f"{name}_throughput: {results[interrupt]:.1f} tokens/s")
+            print(f"{name}_updates: {updates[0]} updates")
+            print(f"{name}_reprefills: {gen.stats.interruptions} samples")
+    ratio = results[True] / results[False]
+    print(f"ratio interruptible_vs_not: {ratio:.2f}")
+    return ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (each part < 60 s on 2 cores)")
+    parser.add_argument("--part", choices=["continuous", "hf", "interrupt", "all"], default="all")
+    args = parser.parse_args()
+    print(f"backend: {jax.default_backend()}")
+    if args.part in ("continuous", "all"):
+        continuous_vs_static(args.quick)
+    if args.part in ("hf", "all"):
+        engine_vs_hf(args.quick)
+    if args.part in ("interrupt", "all"):
+        interruptible_vs_not(args.quick)
+
+
+if __name__ == "__main__":
+    main()
