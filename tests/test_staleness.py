@@ -1,0 +1,66 @@
+"""Staleness admission control: the AReaL bound, eta = 0 as synchronous, blocking without polling."""
+
+import threading
+
+import pytest
+
+from areal_jax.configuration import ConfigError
+from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
+
+
+def test_bound_follows_formula():
+    manager = StalenessManager(StalenessConfig(max_head_offpolicyness=2, batch_prompts=4, max_concurrent=100))
+    admitted = 0
+    while manager.try_admit():
+        admitted += 1
+    assert admitted == (2 + 0 + 1) * 4
+    for _ in range(4):
+        manager.finish(accepted=True)
+    assert manager.capacity() == 0  # accepted + running still equals (eta + v + 1) * B
+    manager.set_version(1)
+    assert manager.capacity() == 4
+    snap = manager.snapshot()
+    assert (snap.running, snap.accepted, snap.version) == (8, 4, 1)
+
+
+def test_rejected_prompts_free_capacity_and_concurrency_cap():
+    manager = StalenessManager(StalenessConfig(max_head_offpolicyness=0, batch_prompts=4, max_concurrent=3))
+    assert [manager.try_admit() for _ in range(4)] == [True, True, True, False]
+    manager.finish(accepted=False)
+    assert manager.try_admit()
+    for _ in range(3):
+        manager.finish(accepted=True)
+    assert manager.try_admit()
+    manager.finish(accepted=True)
+    assert manager.snapshot().accepted == 4 and not manager.try_admit()  # eta = 0: wait for the trainer
+    manager.set_version(1)
+    assert manager.try_admit()
+
+
+def test_wait_for_capacity_wakes_on_version_and_close():
+    manager = StalenessManager(StalenessConfig(max_head_offpolicyness=0, batch_prompts=1))
+    assert manager.try_admit()
+    manager.finish(accepted=True)
+    assert not manager.wait_for_capacity(timeout=0.01)
+    results = []
+    waiter = threading.Thread(target=lambda: results.append(manager.wait_for_capacity(timeout=30)))
+    waiter.start()
+    manager.set_version(1)
+    waiter.join(timeout=30)
+    assert results == [True]
+    closer = threading.Thread(target=lambda: results.append(manager.wait_for_capacity(timeout=30)))
+    closer.start()
+    manager.close()
+    closer.join(timeout=30)
+    assert results == [True, False]
+
+
+def test_misuse_is_refused():
+    manager = StalenessManager(StalenessConfig())
+    with pytest.raises(RuntimeError, match="without a matching admission"):
+        manager.finish(accepted=True)
+    manager.set_version(3)
+    with pytest.raises(ValueError, match="backwards"):
+        manager.set_version(2)
+    with pytest.raises(ConfigError, match="batch_prompts"):
+        StalenessConfig(batch_prompts=0)
