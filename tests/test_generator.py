@@ -155,3 +155,21 @@ def test_async_api_and_bad_input(models):
             gen.submit([1], SamplingParams(), n=0)
     with pytest.raises(RuntimeError, match="closed"):
         gen.submit([1], SamplingParams())
+
+
+def test_cancelled_caller_aborts_its_request_and_generator_survives(models):
+    model = models[0]
+    engine = Engine(model, EngineConfig(max_slots=2, max_length=64))
+
+    async def main(gen):
+        task = asyncio.create_task(gen.generate([1, 2], SamplingParams(max_new_tokens=50, seed=0), request_id="c"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await gen.generate([3, 4], SamplingParams(temperature=0.0, max_new_tokens=3))
+
+    with Generator(engine, engine.load_params(nnx.state(model), 0)) as gen:
+        (result,) = asyncio.run(main(gen))
+        assert len(result.output_ids) == 3
+        _wait_until(lambda: gen.num_in_flight() == 0)

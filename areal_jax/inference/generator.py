@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -171,7 +172,13 @@ class Generator:
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
     ) -> list[GenerationResult]:
-        return await asyncio.wrap_future(self.submit(prompt_ids, sampling, n, request_id))
+        request_id = request_id or f"req-{next(self._ids)}"
+        future = self.submit(prompt_ids, sampling, n, request_id)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            self.abort(request_id)  # a cancelled caller frees its slots; the generator keeps running
+            raise
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its samples finish with reason 'abort' and the tokens generated so far."""
@@ -394,4 +401,5 @@ class Generator:
         if all(s.result is not None for s in request.samples):
             with self._cond:
                 self._requests.pop(request.request_id, None)
-            request.future.set_result([s.result for s in request.samples])
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # the caller cancelled it
+                request.future.set_result([s.result for s in request.samples])

@@ -1,0 +1,440 @@
+"""Rollout workflows: one task item in, the n `Trajectory` records of its group out, token in / token out.
+
+`RLVRWorkflow` (single turn) renders the prompt with the tokenizer's chat template, asks the generator for
+n samples in one request (one shared prefill), scores each completion with a reward function on an
+executor (never on the generator's thread or the event loop) and builds one trajectory per sample.
+
+`MultiTurnWorkflow` alternates model turns and an `Environment`'s replies up to `max_turns`. The model's
+tokens are never re-tokenized: the next turn's prompt is the exact concatenation of the tokens so far,
+the model's output ids and the reply's ids. The reply's ids are what the chat template writes after an
+assistant message's content (the end of the model's turn, less any part of it the model already produced,
+then the user turn and the generation prompt), rendered as text (`TurnRenderer`) and encoded once. They
+enter the sequence with loss mask 0, behaviour log-prob 0 and version -1, like the prompt. The episode is
+one trajectory whose reward is the last step's reward times `turn_discount ** (turns - 1)`.
+
+Reward functions and environment steps run on an `Executor` (a thread pool of `reward_workers` by
+default; a process pool works when they and the task items pickle).
+
+A sample that did not end on a stop condition (finish reason "length", or "abort") is truncated and is
+handled by `truncation`: "keep" (as is), "mask" (loss mask all 0, reward kept for statistics) or
+"penalize" (reward set to `truncation_penalty`; the raw reward stays in `metadata["raw_reward"]`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar
+
+import numpy as np
+
+from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.inference.generator import GenerationResult, Generator
+from areal_jax.inference.sampling import SamplingParams
+from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.rollout.environments import Environment, EnvStep, Message, RewardFn
+
+R = TypeVar("R")
+Truncation = Literal["mask", "penalize", "keep"]
+TRUNCATION_MODES: tuple[Truncation, ...] = ("mask", "penalize", "keep")
+
+_USER_MARK = "@@areal-user@@"
+_MODEL_MARK = "@@areal-model@@"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkflowConfig(Config):
+    """Settings shared by the rollout workflows (single-turn uses exactly these)."""
+
+    n_samples: int = option(4, ge=1, doc="samples per prompt: the group size")
+    sampling: SamplingParams = option(default_factory=SamplingParams, doc="how every model turn is sampled")
+    stop_at_tokenizer_stops: bool = option(True, doc="add the tokenizer's stop ids (eos) to sampling.stop_token_ids")
+    truncation: Truncation = option(
+        "keep",
+        doc="samples that hit a length limit: 'keep' as is; 'mask' loss mask all 0 (reward kept for stats); "
+        "'penalize' reward set to truncation_penalty",
+    )
+    truncation_penalty: float = option(0.0, doc="reward of a truncated sample under truncation='penalize'")
+    reward_workers: int = option(4, ge=1, le=1024, doc="threads of the reward executor made when none is given")
+
+    def validate(self) -> None:
+        if self.truncation not in TRUNCATION_MODES:
+            allowed = ", ".join(repr(m) for m in TRUNCATION_MODES)
+            raise ConfigError("truncation", f"got {self.truncation!r}; allowed: {allowed}")
+        if not math.isfinite(self.truncation_penalty):
+            raise ConfigError("truncation_penalty", f"value {self.truncation_penalty!r} is not a finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig(WorkflowConfig):
+    """Settings of the multi-turn workflow."""
+
+    max_turns: int = option(3, ge=1, doc="model turns per episode at most")
+    turn_discount: float = option(1.0, gt=0, le=1, doc="the episode's reward is multiplied by this per extra turn")
+
+
+class TaskItem(Protocol):
+    """What a workflow reads of a task (a `PromptRecord` fits); reward functions may read more."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def prompt(self) -> str: ...
+
+
+class TurnRenderer:
+    """Token ids the chat template puts after a model turn: the end of that turn, a user reply, the generation
+    prompt. Read off a placeholder conversation rendered as text, after the assistant's placeholder content."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._conversation: list[Message] = [
+            {"role": "user", "content": _USER_MARK},
+            {"role": "assistant", "content": _MODEL_MARK},
+        ]
+        base = tokenizer.apply_chat_template(self._conversation, add_generation_prompt=False, tokenize=False)
+        self.turn_end = _after_model_mark(base)
+
+    def reply_ids(self, reply: str, model_output_ids: Sequence[int]) -> list[int]:
+        """Ids to append after `model_output_ids` (which may already hold the start of the turn's end)."""
+        full = self.tokenizer.apply_chat_template(
+            [*self._conversation, {"role": "user", "content": reply}], add_generation_prompt=True, tokenize=False
+        )
+        delta = _after_model_mark(full)
+        if not delta.startswith(self.turn_end):
+            raise ValueError(
+                f"the chat template ends an assistant turn with {self.turn_end!r} when it is last but not when the "
+                f"reply {reply!r} follows: {delta!r}"
+            )
+        produced = self.tokenizer.decode(model_output_ids, skip_special_tokens=False)
+        return self.tokenizer.encode(delta[_overlap(produced, self.turn_end) :])
+
+
+def _after_model_mark(rendered: str) -> str:
+    at = rendered.rfind(_MODEL_MARK)
+    if at < 0:
+        raise ValueError(f"the chat template drops the assistant's content: rendered {rendered!r}")
+    return rendered[at + len(_MODEL_MARK) :]
+
+
+def _overlap(text: str, suffix: str) -> int:
+    """Length of the longest prefix of `suffix` that `text` ends with."""
+    for k in range(len(suffix), 0, -1):
+        if text.endswith(suffix[:k]):
+            return k
+    return 0
+
+
+@dataclasses.dataclass
+class _Tokens:
+    """The segments of one sample's sequence, concatenated once into the trajectory's per-token arrays."""
+
+    ids: list[np.ndarray] = dataclasses.field(default_factory=list)
+    logprobs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    versions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    model: list[np.ndarray] = dataclasses.field(default_factory=list)
+    length: int = 0
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        """Prompt or environment tokens: not sampled by the policy."""
+        n = len(ids)
+        self._add(np.asarray(ids, np.int32), np.zeros(n, np.float32), np.full(n, -1, np.int32), False)
+
+    def add_model(self, result: GenerationResult) -> None:
+        logprobs = np.asarray(result.output_logprobs, np.float32)
+        versions = np.asarray(result.output_versions, np.int32)
+        self._add(np.asarray(result.output_ids, np.int32), logprobs, versions, True)
+
+    def _add(self, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray, model: bool) -> None:
+        self.ids.append(ids)
+        self.logprobs.append(logprobs)
+        self.versions.append(versions)
+        self.model.append(np.full(len(ids), model, np.bool_))
+        self.length += len(ids)
+
+    def token_ids(self) -> np.ndarray:
+        return np.concatenate(self.ids)
+
+    def trajectory(self, train: bool, **fields: Any) -> Trajectory:
+        mask = np.concatenate(self.model) if train else np.zeros(self.length, np.bool_)
+        return Trajectory(
+            token_ids=self.token_ids(),
+            behav_logprobs=np.concatenate(self.logprobs),
+            versions=np.concatenate(self.versions),
+            loss_mask=mask,
+            **fields,
+        )
+
+
+def _timed_call(fn: Callable[..., R], *args: Any) -> tuple[R, float]:
+    start = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - start
+
+
+def _checked_reward(value: Any, where: str) -> tuple[float, dict[str, float]]:
+    """(reward, components) from a reward function's return value, refusing anything else and non-finite rewards."""
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], Mapping)):
+        raise ValueError(f"{where}: reward function returned {value!r}; expected (reward, components dict)")
+    reward = float(value[0])
+    if not math.isfinite(reward):
+        raise ValueError(f"{where}: reward {value[0]!r} is not a finite number")
+    return reward, {str(k): float(v) for k, v in value[1].items()}
+
+
+def _request_sampling(sampling: SamplingParams, *entropy: int) -> SamplingParams:
+    """`sampling` with a seed derived from its own and `entropy` (group, sample, turn); unseeded stays so."""
+    if sampling.seed is None:
+        return sampling
+    state = np.random.SeedSequence([sampling.seed, *entropy]).generate_state(1)[0]
+    return sampling.replace(seed=int(state >> 1))
+
+
+class RolloutWorkflow(abc.ABC):
+    """Turns one task item into the trajectories of its group; owns the executor its slow calls run on."""
+
+    def __init__(
+        self, config: WorkflowConfig, tokenizer: Tokenizer, executor: concurrent.futures.Executor | None = None
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self._owns_executor = executor is None
+        self.executor = executor or concurrent.futures.ThreadPoolExecutor(
+            config.reward_workers, thread_name_prefix="areal-reward"
+        )
+        sampling = config.sampling
+        if config.stop_at_tokenizer_stops:
+            stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *tokenizer.stop_token_ids)))
+            sampling = sampling.replace(stop_token_ids=stops)
+        self.sampling = sampling
+
+    @abc.abstractmethod
+    async def run(self, generator: Generator, task: TaskItem, group_id: int) -> list[Trajectory]:
+        """The `n_samples` trajectories of `task`, all with `group_id`, in sample order."""
+
+    def render_prompt(self, task: TaskItem) -> list[int]:
+        """The task's prompt as one user turn of the chat template, ending with the generation prompt."""
+        messages = [{"role": "user", "content": task.prompt}]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def close(self) -> None:
+        """Shut down the executor if this workflow made it."""
+        if self._owns_executor:
+            self.executor.shutdown(wait=True)
+
+    def __enter__(self) -> RolloutWorkflow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _offload(self, fn: Callable[..., R], *args: Any) -> tuple[R, float]:
+        """`fn(*args)` on the executor, with its duration in seconds."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(_timed_call, fn, *args))
+
+    def _outcome(self, finish_reason: str, reward: float) -> tuple[float, bool, dict[str, Any]]:
+        """(reward, whether the sample trains, metadata) after the truncation rule."""
+        truncated = finish_reason != "stop"
+        meta: dict[str, Any] = {"finish_reason": finish_reason, "truncated": truncated}
+        if not truncated or self.config.truncation == "keep":
+            return reward, True, meta
+        if self.config.truncation == "mask":
+            return reward, False, meta
+        return self.config.truncation_penalty, True, {**meta, "raw_reward": reward}
+
+
+def _check_group_id(group_id: int) -> None:
+    if group_id < 0:
+        raise ValueError(f"group_id must be >= 0, got {group_id}")
+
+
+async def _generate(
+    generator: Generator, task: TaskItem, prompt_ids: Sequence[int], sampling: SamplingParams, n: int, request_id: str
+) -> list[GenerationResult]:
+    """The generator's n results; a cancelled caller aborts the request instead of cancelling its future."""
+    try:
+        future = generator.submit(prompt_ids, sampling, n, request_id)
+    except ValueError as err:
+        raise ValueError(f"prompt {task.id!r}: {err}") from err
+    try:
+        return await asyncio.shield(asyncio.wrap_future(future))
+    except asyncio.CancelledError:
+        generator.abort(request_id)
+        raise
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Single turn: n samples of one prompt, each scored by `reward_fn(completion_text, task)`."""
+
+    def __init__(
+        self,
+        config: WorkflowConfig,
+        tokenizer: Tokenizer,
+        reward_fn: RewardFn,
+        executor: concurrent.futures.Executor | None = None,
+    ):
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn {reward_fn!r} is not callable; expected fn(completion_text, task)")
+        super().__init__(config, tokenizer, executor)
+        self.reward_fn = reward_fn
+
+    async def run(self, generator: Generator, task: TaskItem, group_id: int) -> list[Trajectory]:
+        _check_group_id(group_id)
+        start = time.perf_counter()
+        prompt_ids = self.render_prompt(task)
+        sampling = _request_sampling(self.sampling, group_id)
+        results = await _generate(
+            generator, task, prompt_ids, sampling, self.config.n_samples, f"{task.id}:g{group_id}"
+        )
+        texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
+        scored = await asyncio.gather(*(self._offload(self.reward_fn, text, task) for text in texts))
+        trajectories = []
+        for result, (value, reward_s) in zip(results, scored, strict=True):
+            where = f"prompt {task.id!r} sample {result.sample_index}"
+            raw, components = _checked_reward(value, where)
+            reward, train, meta = self._outcome(result.finish_reason, raw)
+            tokens = _Tokens()
+            tokens.add_context(prompt_ids)
+            tokens.add_model(result)
+            trajectories.append(
+                tokens.trajectory(
+                    train,
+                    prompt_length=len(prompt_ids),
+                    reward=reward,
+                    prompt_id=task.id,
+                    group_id=group_id,
+                    sample_index=result.sample_index,
+                    reward_components=components,
+                    timings={
+                        "queued_to_first_token": result.timings["queued_to_first_token"],
+                        "generate": result.timings["total"],
+                        "reward": reward_s,
+                        "total": time.perf_counter() - start,
+                    },
+                    metadata={**meta, "num_interruptions": result.num_interruptions, "num_turns": 1},
+                )
+            )
+        return trajectories
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    """Model turn, environment reply, model turn, ... up to `max_turns`; one trajectory per episode."""
+
+    config: MultiTurnConfig
+
+    def __init__(
+        self,
+        config: MultiTurnConfig,
+        tokenizer: Tokenizer,
+        env: Environment,
+        executor: concurrent.futures.Executor | None = None,
+    ):
+        if not isinstance(env, Environment):
+            raise TypeError(f"env {env!r} has no step(task, history, completion) method")
+        super().__init__(config, tokenizer, executor)
+        self.env = env
+        self.renderer = TurnRenderer(tokenizer)
+
+    async def run(self, generator: Generator, task: TaskItem, group_id: int) -> list[Trajectory]:
+        _check_group_id(group_id)
+        start = time.perf_counter()
+        prompt_ids = self.render_prompt(task)
+        sampling = _request_sampling(self.sampling, group_id)
+        first = await _generate(generator, task, prompt_ids, sampling, self.config.n_samples, f"{task.id}:g{group_id}")
+        episodes = (self._episode(generator, task, group_id, prompt_ids, result, start) for result in first)
+        return list(await asyncio.gather(*episodes))
+
+    async def _episode(
+        self,
+        generator: Generator,
+        task: TaskItem,
+        group_id: int,
+        prompt_ids: list[int],
+        result: GenerationResult,
+        start: float,
+    ) -> Trajectory:
+        cfg = self.config
+        index = result.sample_index
+        max_length = generator.engine.config.max_length
+        tokens = _Tokens()
+        tokens.add_context(prompt_ids)
+        history: list[Message] = [{"role": "user", "content": task.prompt}]
+        turn, interruptions, generate_s, env_s = 1, 0, 0.0, 0.0
+        first_token_s = result.timings["queued_to_first_token"]
+        while True:
+            tokens.add_model(result)
+            interruptions += result.num_interruptions
+            generate_s += result.timings["total"]
+            completion = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            step, seconds = await self._offload(self.env.step, task, tuple(history), completion)
+            env_s += seconds
+            step = _checked_step(step, f"prompt {task.id!r} sample {index} turn {turn}")
+            history.append({"role": "assistant", "content": completion})
+            end = _end_reason(result.finish_reason, step, turn, cfg.max_turns)
+            reply_ids: list[int] = []
+            if end is None:
+                reply_ids = self.renderer.reply_ids(step.reply or "", result.output_ids)
+                if tokens.length + len(reply_ids) >= max_length:
+                    end = "context_full"
+            if end is not None:
+                break
+            tokens.add_context(reply_ids)
+            history.append({"role": "user", "content": step.reply or ""})
+            turn += 1
+            sampling = _request_sampling(self.sampling, group_id, index, turn)
+            request_id = f"{task.id}:g{group_id}:s{index}:t{turn}"
+            (result,) = await _generate(generator, task, tokens.token_ids(), sampling, 1, request_id)
+        raw = step.reward * cfg.turn_discount ** (turn - 1)
+        reward, train, meta = self._outcome(result.finish_reason, raw)
+        return tokens.trajectory(
+            train,
+            prompt_length=len(prompt_ids),
+            reward=reward,
+            prompt_id=task.id,
+            group_id=group_id,
+            sample_index=index,
+            reward_components={str(k): float(v) for k, v in step.components.items()},
+            timings={
+                "queued_to_first_token": first_token_s,
+                "generate": generate_s,
+                "env": env_s,
+                "total": time.perf_counter() - start,
+            },
+            metadata={
+                **meta,
+                "num_interruptions": interruptions,
+                "num_turns": turn,
+                "end_reason": end,
+                "env_reward": step.reward,
+            },
+        )
+
+
+def _checked_step(step: Any, where: str) -> EnvStep:
+    if not isinstance(step, EnvStep):
+        raise ValueError(f"{where}: environment returned {step!r}; expected an EnvStep")
+    if not math.isfinite(step.reward):
+        raise ValueError(f"{where}: environment reward {step.reward!r} is not a finite number")
+    return step
+
+
+def _end_reason(finish_reason: str, step: EnvStep, turn: int, max_turns: int) -> str | None:
+    """Why the episode ends after this turn (None: it goes on)."""
+    if finish_reason == "length":
+        return "truncated"
+    if finish_reason != "stop":
+        return "aborted"
+    if step.done or step.reply is None:
+        return "done"
+    if turn >= max_turns:
+        return "max_turns"
+    return None
