@@ -1,0 +1,123 @@
+"""The rollout controller: keeps the generator busy with workflows, as far ahead as staleness allows.
+
+A background thread runs an asyncio loop. It admits one prompt at a time through the
+`StalenessManager` (blocking while the bound is reached), starts `workflow.run(generator, task,
+group_id)` as a task, and when a group finishes hands its trajectories to `sink` (the rollout log's
+writer, or any callable) and reports the prompt accepted; a failed workflow is logged and reported
+rejected, so capacity is never leaked. `stop()` stops admitting, cancels running workflows (which
+abort their generator requests) and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.inference.generator import Generator
+from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.workflow import RolloutWorkflow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ControllerStats:
+    started: int = 0
+    accepted: int = 0
+    failed: int = 0
+    trajectories: int = 0
+
+
+class RolloutController:
+    """Drives `workflow` over `tasks` on `generator`; see the module docstring."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        workflow: RolloutWorkflow,
+        tasks: Iterator[Any],
+        staleness: StalenessManager,
+        sink: Callable[[list[Trajectory]], None],
+        first_group_id: int = 0,
+    ):
+        self.generator = generator
+        self.workflow = workflow
+        self.tasks = tasks
+        self.staleness = staleness
+        self.sink = sink
+        self.stats = ControllerStats()
+        self._next_group_id = first_group_id
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> RolloutController:
+        self._thread = threading.Thread(target=self._thread_main, name="areal-rollout", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.staleness.close()  # wakes the admission wait; running workflows are cancelled on exit
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("rollout controller failed") from self._error
+
+    @property
+    def next_group_id(self) -> int:
+        """The group id the next admitted prompt gets (for checkpoints: resume numbering after it)."""
+        return self._next_group_id
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as err:
+            logger.exception("rollout controller failed")
+            self._error = err
+
+    async def _main(self) -> None:
+        running: set[asyncio.Task] = set()
+        try:
+            while not self._stopping.is_set():
+                admitted = await asyncio.to_thread(self.staleness.wait_for_capacity, 0.5)
+                if not admitted:
+                    continue
+                task = next(self.tasks, None)
+                if task is None:
+                    self.staleness.finish(accepted=False)
+                    logger.info("task source exhausted; waiting for %d running groups", len(running))
+                    break
+                group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+                self.stats.started += 1
+                job = asyncio.create_task(self._one(task, group_id))
+                running.add(job)
+                job.add_done_callback(running.discard)
+            if running and not self._stopping.is_set():
+                await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            for job in running:
+                job.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+
+    async def _one(self, task: Any, group_id: int) -> None:
+        accepted = False
+        try:
+            trajectories = await self.workflow.run(self.generator, task, group_id)
+            await asyncio.to_thread(self.sink, trajectories)
+            accepted = True
+            self.stats.accepted += 1
+            self.stats.trajectories += len(trajectories)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.stats.failed += 1
+            logger.exception("workflow failed for task %s (group %d)", getattr(task, "id", task), group_id)
+        finally:
+            self.staleness.finish(accepted=accepted)
