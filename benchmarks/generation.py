@@ -31,8 +31,15 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 
 QWEN2_3M = ModelConfig(
-    family="qwen2", vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
-    num_kv_heads=2, max_position_embeddings=1024, initializer_range=0.05,
+    family="qwen2",
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=688,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.05,
 )
 
 
@@ -121,8 +128,15 @@ def engine_vs_hf(quick: bool) -> float:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     input_ids = torch.tensor(prompts)
-    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                     min_new_tokens=new_tokens, pad_token_id=0)
+    hf_kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
     with torch.no_grad():
         hf_model.generate(input_ids[:4], **{**hf_kwargs, "max_new_tokens": 3, "min_new_tokens": 3})
         started = time.perf_counter()

@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
 stamp=".venv/.installed-$(basename "$req")"
-digest="$(cat requirements*.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+digest="$(cat "$req" requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
   echo "installing $req into .venv ..." >&2
   .venv/bin/python -m pip install --quiet -r "$req"

@@ -12,7 +12,8 @@ How the two APIs meet:
   tokens the slot has emitted since its insert, this one included. JetStream's detokenizer ends a request when
   that count exceeds the request's `max_tokens`, or at an invalid token or a stop token (neither is returned).
   A token is invalid once the slot's cache is full (prompt + output reached `max_length`), where our own
-  generator stops too.
+  generator stops too. Each step reads the whole cache: `Engine.generate`'s `max_position` shortcut needs the
+  active slots, and JetStream's orchestrator frees slots without telling the engine.
 - JetStream passes no per-request sampling: every request is sampled with the adapter's fixed `SamplingParams`
   (temperature, top-k, top-p, seed); its `stop_token_ids` join the tokenizer's stop tokens, `max_new_tokens`
   is unused (the request's `max_tokens` decides) and `stop_strings` are refused (JetStream stops on ids only).
@@ -234,7 +235,11 @@ class JetStreamEngine(engine_api.Engine):
         padded_tokens: jax.Array | np.ndarray,
         true_length: int,
     ) -> Prefix:
-        """Prefill one padded prompt (`NO_TOKEN` BOS dropped); a prompt JetStream truncated keeps its last ids."""
+        """Prefill one padded prompt (`NO_TOKEN` BOS dropped).
+
+        A prompt JetStream truncated keeps its last ids; one that fills the cache, or an empty one, ends its
+        request without output (its first token is invalid).
+        """
         if existing_prefix is not None:
             raise ValueError("existing_prefix: continuing from a cached prefix is not supported by this engine")
         tokens_T = np.asarray(padded_tokens).astype(np.int32)
@@ -244,7 +249,9 @@ class JetStreamEngine(engine_api.Engine):
             tokens_T = np.append(tokens_T[1:], np.int32(0))  # the appended entry is padding, masked
             length -= 1
         if length < 1:
-            raise ValueError(f"empty prompt (true_length={true_length}): at least one token is needed")
+            # Nothing to condition on: a prefix that claims a full cache, so the request ends without output.
+            prefix = self.engine.prefill(params, tokens_T, 1)
+            return prefix.replace(length=jnp.asarray(self.engine.config.max_length, jnp.int32))
         return self.engine.prefill(params, tokens_T, length)
 
     def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:
@@ -257,6 +264,7 @@ class JetStreamEngine(engine_api.Engine):
     def generate(
         self, params: VersionedParams, decode_state: JetStreamDecodeState
     ) -> tuple[JetStreamDecodeState, engine_api.ResultTokens]:
+        """One decode step over all slots: per slot the token fed, its validity and the slot's count so far."""
         inner, result = self.engine.generate(params, decode_state.inner)
         emitted, data_Sx3 = self._result_data(result.tokens, inner.positions, decode_state.emitted)
         tokens = engine_api.ResultTokens(
