@@ -1,0 +1,185 @@
+"""The cross-process weight channel: versioned params in an Orbax `CheckpointManager` directory.
+
+Version == step. The publisher saves asynchronously (the arrays are copied to host before `publish`
+returns, so the trainer may donate them), uncompressed in OCDBT files, and keeps the `max_to_keep`
+newest versions. A save is written
+into `<version>.orbax-checkpoint-tmp-<n>/` and becomes `<version>/` by one rename after every file and the
+`commit_success.txt` marker are written (on GCS, where there is no rename, the marker alone commits);
+Orbax lists only committed versions, so a reader never sees a half-written one. Stale temporary
+directories of a killed publisher are removed when the next publisher opens the directory.
+
+Readers open the directory read-only, poll `reload()` + `latest_step()`, and restore straight onto their
+own mesh: the target is abstract arrays carrying the reader's shardings, so each reader process reads
+only the slices its devices hold (a mesh shape different from the writer's is fine). If the version
+being read is deleted meanwhile (the publisher moved on), the newest version is loaded instead.
+The directory may be local or gs:// (through TensorStore).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from areal_jax.weights.base import LoadedWeights, target_shardings, tree_nbytes
+
+logger = logging.getLogger(__name__)
+
+_LOAD_ATTEMPTS = 5
+
+
+def _handler(compress: bool = False) -> ocp.PyTreeCheckpointHandler:
+    """One unnamed pytree item per version. Naming the handler keeps Orbax from guessing the layout from a
+    step directory (which fails for good if the first one it looks at was just deleted). OCDBT packs the
+    arrays into few files (what GCS wants); zstd is off unless asked for: weights barely compress and
+    compressing costs more time than it saves in bytes."""
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_compression=compress)
+
+
+class OrbaxWeightPublisher:
+    """Saves each published version into `directory` (async), keeping the `max_to_keep` newest."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int = 2,
+        async_save: bool = True,
+        compress: bool = False,
+    ):
+        if max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        self.directory = directory
+        self._async = async_save
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._written) if async_save else None,
+            enable_background_delete=True,
+            cleanup_tmp_directories=True,
+        )
+        self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handler(compress))
+        self._pending: tuple[int, int, float] | None = None  # version, bytes, start time of the save in flight
+
+    def publish(self, params: Any, version: int) -> None:
+        latest = self._manager.latest_step()
+        if latest is not None and version <= latest:
+            raise ValueError(f"version {version} is not newer than the latest published version {latest}")
+        self._manager.wait_until_finished()  # the previous version first (Orbax would wait for it anyway)
+        nbytes = tree_nbytes(params)
+        started = time.perf_counter()
+        self._pending = (version, nbytes, started)
+        if not self._manager.save(version, args=ocp.args.PyTreeSave(params)):
+            raise RuntimeError(f"Orbax refused to save version {version} in {self.directory}")
+        logger.info(
+            "publishing weights version %d: %d bytes, %.3f s blocking",
+            version,
+            nbytes,
+            time.perf_counter() - started,
+        )
+        if not self._async:
+            self._written()
+
+    def _written(self) -> None:
+        """Log the save in flight; Orbax calls this (async mode) when every file is written, just before
+        the rename that commits the version."""
+        if self._pending is None:
+            return
+        version, nbytes, started = self._pending
+        seconds = time.perf_counter() - started
+        logger.info(
+            "wrote weights version %d: %d bytes in %.3f s (%.1f MB/s); committing",
+            version,
+            nbytes,
+            seconds,
+            nbytes / max(seconds, 1e-9) / 1e6,
+        )
+
+    def wait(self) -> None:
+        """Block until the last published version is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+
+
+class OrbaxWeightSubscriber:
+    """Reads versions from a publisher's directory, read-only; polls with a bounded backoff."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, poll_initial_s: float = 0.05, poll_max_s: float = 1.0):
+        if not 0 < poll_initial_s <= poll_max_s:
+            raise ValueError(f"need 0 < poll_initial_s ({poll_initial_s}) <= poll_max_s ({poll_max_s})")
+        self.directory = directory
+        self._poll = (poll_initial_s, poll_max_s)
+        options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+        self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handler())
+        self._closed = threading.Event()
+
+    def latest_version(self) -> int | None:
+        self._manager.reload()
+        return self._manager.latest_step()
+
+    def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
+        delay, max_delay = self._poll
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            latest = self.latest_version()
+            if latest is not None and latest >= min_version:
+                return latest
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if (remaining is not None and remaining <= 0) or self._closed.is_set():
+                return None
+            self._closed.wait(delay if remaining is None else min(delay, remaining))
+            delay = min(2 * delay, max_delay)
+
+    def load(self, version: int, target: Any) -> LoadedWeights:
+        target_shardings(target)  # refuse a target without shardings before reading anything
+        args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        failures_on_version = 0
+        for _ in range(_LOAD_ATTEMPTS):
+            started = time.perf_counter()
+            try:
+                params = self._manager.restore(version, args=args)
+            except Exception as err:  # a version deleted mid-read fails anywhere in Orbax/TensorStore
+                self._manager.reload()
+                steps = self._manager.all_steps()
+                if version in steps:
+                    failures_on_version += 1
+                    if failures_on_version > 1:  # still there after a second try: a real error
+                        raise
+                    continue  # its deletion may still be under way
+                newer = [step for step in steps if step > version]
+                if not newer:
+                    raise
+                logger.warning(
+                    "weights version %d vanished while being read (%s: %s); loading version %d",
+                    version,
+                    type(err).__name__,
+                    err,
+                    max(newer),
+                )
+                version, failures_on_version = max(newer), 0
+                continue
+            seconds = time.perf_counter() - started
+            nbytes = tree_nbytes(params)
+            logger.info(
+                "loaded weights version %d: %d bytes in %.3f s (%.1f MB/s)",
+                version,
+                nbytes,
+                seconds,
+                nbytes / max(seconds, 1e-9) / 1e6,
+            )
+            return LoadedWeights(params, version, nbytes, seconds)
+        raise RuntimeError(
+            f"gave up loading weights from {self.directory} after {_LOAD_ATTEMPTS} attempts: "
+            "versions keep vanishing while being read; raise the publisher's max_to_keep"
+        )
+
+    def close(self) -> None:
+        self._closed.set()
+        self._manager.close()

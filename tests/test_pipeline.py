@@ -1,0 +1,193 @@
+"""Grain pipeline over the rollout log: exact resume, staleness filter, group assembly, slicing, stopping."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from areal_jax.configuration import ConfigError
+from areal_jax.data.pipeline import PipelineConfig, build_pipeline, pipeline_stats, staleness_of
+from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from tests.rollout_log_worker import make_trajectory
+
+FAST = {"poll_initial_s": 0.005, "poll_max_s": 0.05, "idle_timeout_s": 0.3}
+
+
+def write_groups(
+    directory: Path,
+    num_groups: int,
+    group_size: int,
+    *,
+    writers: int = 2,
+    versions: dict[int, int] | None = None,
+    seed: int = 0,
+) -> list[tuple[int, int]]:
+    """All samples of `num_groups` groups, shuffled (so groups arrive out of order and split over shards and
+    writers), appended by `writers` writers; returns the (group_id, sample_index) pairs in append order."""
+    rng = np.random.default_rng(seed)
+    samples = [(g, s) for g in range(num_groups) for s in range(group_size)]
+    order = [samples[i] for i in rng.permutation(len(samples))]
+    logs = [RolloutLogWriter(directory, f"w{k}", RolloutLogConfig(max_records=5)) for k in range(writers)]
+    for i, (g, s) in enumerate(order):
+        version = (versions or {}).get(g, 0)
+        logs[i % writers].append(make_trajectory(g, s, version=version))
+    for log in logs:
+        log.close()
+    return order
+
+
+def keys(batch) -> list[tuple[int, int]]:
+    return [(t.group_id, t.sample_index) for t in batch]
+
+
+def assert_whole_groups(batch, group_size: int) -> None:
+    for start in range(0, len(batch), group_size):
+        group = batch[start : start + group_size]
+        assert {t.group_id for t in group} == {group[0].group_id}
+        assert [t.sample_index for t in group] == list(range(group_size))
+
+
+def test_groups_are_assembled_from_out_of_order_arrivals(tmp_path: Path) -> None:
+    write_groups(tmp_path, num_groups=12, group_size=4)
+    config = PipelineConfig(group_size=4, groups_per_batch=3, **FAST)
+    batches = list(build_pipeline(tmp_path, config))
+    assert len(batches) == 4
+    for batch in batches:
+        assert len(batch) == 12
+        assert_whole_groups(batch, 4)
+    assert sorted(k for b in batches for k in keys(b)) == [(g, s) for g in range(12) for s in range(4)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_get_state_set_state_resumes_exactly(tmp_path: Path, prefetch: int) -> None:
+    write_groups(tmp_path, num_groups=30, group_size=4)
+    config = PipelineConfig(group_size=4, groups_per_batch=2, prefetch_batches=prefetch, **FAST)
+    dataset = build_pipeline(tmp_path, config)
+
+    iterator = iter(dataset)
+    first = [next(iterator) for _ in range(5)]
+    state = json.loads(json.dumps(iterator.get_state()))  # the state is plain JSON
+    iterator.close()
+    assert any(state_open_groups(state)), "some groups should be incomplete at the save point"
+
+    resumed = iter(dataset)
+    resumed.set_state(state)
+    rest = list(resumed)
+    consumed = [k for b in first for k in keys(b)]
+    remaining = [k for b in rest for k in keys(b)]
+    assert not set(consumed) & set(remaining)
+    assert sorted(consumed + remaining) == [(g, s) for g in range(30) for s in range(4)]
+    for batch in first + rest:
+        assert_whole_groups(batch, 4)
+
+    again = iter(dataset)  # the same state twice gives the same stream
+    again.set_state(state)
+    assert [keys(b) for b in again] == [keys(b) for b in rest]
+
+
+def state_open_groups(state: dict) -> list:
+    """The incomplete groups recorded anywhere in a (nested) pipeline state."""
+    if "open_groups" in state:
+        return state["open_groups"]
+    nested = [state_open_groups(value) for value in state.values() if isinstance(value, dict)]
+    return next((found for found in nested if found), [])
+
+
+def test_staleness_filter_drops_the_right_samples_and_counts_them(tmp_path: Path) -> None:
+    # make_trajectory(version=v) has oldest token version v - 1; trainer version 10, bound 2:
+    # groups 0, 1 (staleness 2) and 2 (staleness 1) are kept, 3, 4 (staleness 3) and 5 (10) dropped
+    versions = {0: 9, 1: 9, 2: 10, 3: 8, 4: 8, 5: 1}
+    write_groups(tmp_path, num_groups=6, group_size=2, versions=versions)
+    config = PipelineConfig(group_size=2, groups_per_batch=1, max_staleness=2, **FAST)
+    iterator = iter(build_pipeline(tmp_path, config, trainer_version=lambda: 10))
+    batches = list(iterator)
+    assert sorted({t.group_id for b in batches for t in b}) == [0, 1, 2]
+    stats = pipeline_stats(iterator.get_state())
+    assert stats["kept_by_staleness"] == {1: 2, 2: 4}
+    assert stats["dropped_by_staleness"] == {3: 4, 10: 2}
+    assert stats["samples_kept"] == 6 and stats["samples_dropped"] == 6
+    assert stats["emitted"] == 3 and stats["dropped_groups"] == 3
+
+
+def test_partly_stale_group_is_emitted_only_above_min_group_size(tmp_path: Path) -> None:
+    with RolloutLogWriter(tmp_path, "w0") as writer:
+        for s in range(4):
+            writer.append(make_trajectory(1, s, version=1 if s < 2 else 5))  # samples 0, 1 are stale
+            writer.append(make_trajectory(0, s, version=5 if s else 1))  # sample 0 is stale
+    config = PipelineConfig(group_size=4, groups_per_batch=1, max_staleness=1, min_group_size=3, **FAST)
+    iterator = iter(build_pipeline(tmp_path, config, trainer_version=lambda: 5))
+    batches = list(iterator)
+    assert [keys(b) for b in batches] == [[(0, 1), (0, 2), (0, 3)]]
+    stats = pipeline_stats(iterator.get_state())
+    assert stats["samples_dropped"] == 3 and stats["dropped_groups"] == 1
+
+
+def test_staleness_of_is_trainer_version_minus_oldest_generated_version() -> None:
+    assert staleness_of(make_trajectory(0, version=4), 6) == 3
+    assert staleness_of(make_trajectory(0, version=0), 6) == 6
+    prompt_only = make_trajectory(0, version=0, length=4, prompt_length=4)
+    assert staleness_of(prompt_only, 6) == 0
+
+
+def test_processes_split_the_groups_between_them(tmp_path: Path) -> None:
+    write_groups(tmp_path, num_groups=10, group_size=2)
+    config = PipelineConfig(group_size=2, groups_per_batch=1, **FAST)
+    seen = [
+        {t.group_id for b in build_pipeline(tmp_path, config, process_index=i, process_count=3) for t in b}
+        for i in range(3)
+    ]
+    assert seen == [{g for g in range(10) if g % 3 == i} for i in range(3)]
+
+
+def test_batch_fn_hook_and_live_tailing(tmp_path: Path) -> None:
+    config = PipelineConfig(group_size=2, groups_per_batch=2, poll_initial_s=0.005, poll_max_s=0.05)
+    stop = threading.Event()
+    iterator = iter(build_pipeline(tmp_path, config, batch_fn=keys, stop_event=stop))
+
+    def produce() -> None:
+        with RolloutLogWriter(tmp_path, "live", RolloutLogConfig(max_records=1)) as writer:
+            for g in range(4):
+                for s in (1, 0):
+                    writer.append(make_trajectory(g, s))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    assert next(iterator) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert next(iterator) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    producer.join()
+    stop.set()
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_close_and_stop_end_a_waiting_iterator(tmp_path: Path) -> None:
+    config = PipelineConfig(group_size=1, groups_per_batch=1, poll_max_s=0.2)
+    iterator = iter(build_pipeline(tmp_path, config))
+    iterator.start_prefetch()  # the prefetch thread now waits for shards that never come
+    started = time.monotonic()
+    iterator.close()
+    assert time.monotonic() - started < 5.0
+
+    stop = threading.Event()
+    iterator = iter(build_pipeline(tmp_path, config, stop_event=stop))
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_config_and_argument_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="min_group_size"):
+        PipelineConfig(group_size=2, min_group_size=3)
+    with pytest.raises(ValueError, match="trainer_version"):
+        build_pipeline(tmp_path, PipelineConfig(max_staleness=1))
+    with pytest.raises(ValueError, match="process_index 2"):
+        build_pipeline(tmp_path, PipelineConfig(), process_index=2, process_count=2)
+    with RolloutLogWriter(tmp_path, "w0") as writer:
+        writer.append(make_trajectory(0, 5))
+    with pytest.raises(ValueError, match="sample_index 5"):
+        list(build_pipeline(tmp_path, PipelineConfig(group_size=4, prefetch_batches=0, **FAST)))

@@ -1,0 +1,148 @@
+"""Training checkpoints: decoder params + AdamW state onto another mesh shape, metadata, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from areal_jax.models.decoder import Decoder
+from areal_jax.sharding import MeshConfig, make_mesh, state_shardings
+from areal_jax.trainer.checkpoint import CheckpointConfig, TrainCheckpointer, rng_from_json, rng_to_json
+from areal_jax.weights import abstract_target
+from tests.weights_worker import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def assert_trees_equal(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def decoder_params(mesh: jax.sharding.Mesh) -> nnx.State:
+    """The tiny decoder's parameter state placed by its logical shardings on `mesh` (random normal values;
+    NumPy draws them, which is much faster on CPU than compiling the decoder's initialisers)."""
+    abstract = nnx.state(nnx.eval_shape(lambda: Decoder(TINY, nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(0)
+    return jax.tree.map(
+        lambda a, s: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), s),
+        abstract,
+        state_shardings(abstract, mesh),
+    )
+
+
+@jax.jit
+def adamw_step(params: nnx.State, opt_state: optax.OptState) -> tuple[nnx.State, optax.OptState]:
+    grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
+    updates, opt_state = optax.adamw(1e-3).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def test_restore_params_and_adamw_state_onto_another_mesh_shape(tmp_path: Path) -> None:
+    params = decoder_params(make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    tx = optax.adamw(1e-3)
+    params, opt_state = adamw_step(params, tx.init(params))  # one real step: mu, nu and count non-trivial
+    state = {"params": params, "opt_state": opt_state}
+    key = jax.random.key(42)
+    data_state = {"next_shard": {"w0": 3}, "shard": "w0_00000003_000000000024_8.arrayrecord", "record": 5}
+    metadata = {"policy_version": 7, "rng": rng_to_json(key), "data": data_state, "staleness": {"0": 12, "1": 3}}
+
+    checkpointer = TrainCheckpointer(tmp_path, CheckpointConfig(every_steps=10))
+    assert not checkpointer.maybe_save(5, state, metadata)  # not due
+    assert checkpointer.latest_step() is None
+    assert not checkpointer.maybe_save(10, state, lambda: metadata)
+    checkpointer.save(10, state, metadata)  # the same step again is skipped
+    checkpointer.close()
+
+    mesh_b = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    params_b = jax.tree.map(jnp.zeros_like, jax.device_put(params, state_shardings(params, mesh_b)))
+    target = abstract_target({"params": params_b, "opt_state": tx.init(params_b)})
+    restored = TrainCheckpointer(tmp_path).restore(target)
+    assert restored.step == 10
+    assert restored.metadata == json.loads(json.dumps({**metadata, "step": 10}))
+    assert_trees_equal(restored.state, state)
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(target), strict=True):
+        assert got.sharding == want.sharding
+    assert any(len(leaf.sharding.device_set) == 8 for leaf in jax.tree.leaves(restored.state["params"]))
+    again = rng_from_json(restored.metadata["rng"])
+    np.testing.assert_array_equal(jax.random.normal(again, (3,)), jax.random.normal(key, (3,)))
+
+
+def test_metadata_must_be_json_and_raw_keys_roundtrip(tmp_path: Path) -> None:
+    checkpointer = TrainCheckpointer(tmp_path, CheckpointConfig(async_save=False))
+    with pytest.raises(TypeError, match="step 1 is not JSON-serialisable"):
+        checkpointer.save(1, {"x": jnp.ones(2)}, {"bad": object()})
+    raw = jax.random.PRNGKey(3)
+    np.testing.assert_array_equal(rng_from_json(json.loads(json.dumps(rng_to_json(raw)))), raw)
+    target = {
+        "x": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    }
+    with pytest.raises(FileNotFoundError, match="no training checkpoint"):
+        checkpointer.restore(target)
+    checkpointer.save(5, {"x": jnp.ones(2)}, {})
+    with pytest.raises(ValueError, match="step 3 is older than the newest checkpoint 5"):
+        checkpointer.save(3, {"x": jnp.ones(2)}, {})
+    checkpointer.close()
+
+
+def test_sigint_requests_a_save_and_a_second_one_interrupts(tmp_path: Path) -> None:
+    checkpointer = TrainCheckpointer(tmp_path, CheckpointConfig(every_steps=100, async_save=False))
+    previous = signal.getsignal(signal.SIGINT)
+    checkpointer.install_signal_handlers([signal.SIGINT])
+    try:
+        assert not checkpointer.maybe_save(1, {"x": jnp.ones(2)}, {})
+        os.kill(os.getpid(), signal.SIGINT)
+        assert checkpointer.stop_requested
+        assert checkpointer.maybe_save(2, {"x": jnp.full(2, 2.0)}, {"policy_version": 2})
+        assert checkpointer.latest_step() == 2
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        checkpointer.close()
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+@pytest.mark.multiprocess
+def test_sigterm_saves_exits_cleanly_and_the_checkpoint_restores(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "train_checkpoint_worker.py"), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:
+        if line.strip() == "step 3":
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("saved ")
+    step = int(last.split()[1])
+    assert step >= 3
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))  # 8 devices here, 2 in the worker
+    target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))}
+    restored = TrainCheckpointer(tmp_path).restore(target)
+    assert restored.step == step
+    assert restored.metadata == {"policy_version": step, "step": step}
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.full((8, 4), float(step)))

@@ -1,0 +1,241 @@
+"""Weight channel: Orbax across processes and mesh shapes, crash safety, version handling, in-process reshard."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models.init import create_decoder
+from areal_jax.sharding import MeshConfig, make_mesh, split_devices, state_shardings
+from areal_jax.weights import InProcessWeights, OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
+from tests.weights_worker import TINY, big_params, flat
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "weights_worker.py")
+
+
+def worker_env(devices: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+
+
+@pytest.fixture(scope="module")
+def params_2x4() -> nnx.State:
+    """Real decoder params with their logical shardings on a 2x4 (fsdp x tensor) mesh, created once."""
+    return nnx.state(create_decoder(TINY, 0, make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))), nnx.Param)
+
+
+def on_mesh(params: nnx.State, mesh: jax.sharding.Mesh, offset: float = 0.0) -> nnx.State:
+    """A copy of `params` placed by the logical rules on `mesh`, plus `offset` (a new 'version')."""
+    moved = jax.device_put(params, state_shardings(params, mesh), may_alias=False)
+    return jax.tree.map(lambda x: x + offset, moved) if offset else moved
+
+
+def assert_trees_equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.multiprocess
+def test_publish_on_2x4_mesh_load_on_4x1_mesh_in_another_process(tmp_path: Path, params_2x4: nnx.State) -> None:
+    params = params_2x4
+    assert any(len(leaf.sharding.device_set) == 8 for leaf in jax.tree.leaves(params))
+    publisher = OrbaxWeightPublisher(tmp_path / "weights")
+    publisher.publish(params, 1)
+    publisher.close()
+
+    out = tmp_path / "loaded.npz"
+    subprocess.run([sys.executable, WORKER, "load", str(tmp_path / "weights"), str(out)], env=worker_env(4), check=True)
+    loaded = dict(np.load(out))
+    assert int(loaded.pop("version")) == 1
+    expected = flat(params)
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_array_equal(loaded[key], value, err_msg=key)
+
+
+def bytes_under(directory: Path) -> int:
+    """Bytes of the files below `directory`; files that vanish meanwhile count 0."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+@pytest.mark.multiprocess
+def test_publisher_killed_mid_save_never_exposes_that_version(tmp_path: Path) -> None:
+    directory = tmp_path / "weights"
+    megabytes = 128
+    proc = subprocess.Popen(
+        [sys.executable, WORKER, "publish-big", str(directory), str(megabytes)],
+        env=worker_env(1),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "committed 1"
+
+    seen: set[int | None] = set()
+    stop = threading.Event()
+    reader = OrbaxWeightSubscriber(directory)
+
+    def poll() -> None:
+        while not stop.wait(0.005):
+            seen.add(reader.latest_version())
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    tmp_dir, first_seen = None, None
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        # kill once version 2 has data on disk (or has been in the works for 0.1 s): before its commit
+        found = [directory / n for n in os.listdir(directory) if n.startswith("2.orbax-checkpoint-tmp")]
+        if found:
+            first_seen = first_seen or time.monotonic()
+            written = bytes_under(found[0])
+            if written > 2**20 or time.monotonic() - first_seen > 0.1:
+                tmp_dir = found[0]
+                break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    stop.set()
+    poller.join()
+    assert tmp_dir is not None, "version 2 never started writing"
+    assert tmp_dir.exists() and not (directory / "2").exists(), "the kill should land before the commit"
+    assert seen == {1}
+
+    fresh = OrbaxWeightSubscriber(directory)  # a reader that starts after the crash
+    assert fresh.latest_version() == 1
+    expected = big_params(megabytes, 1)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=device) for k, v in expected.items()}
+    loaded = fresh.load(1, target)
+    assert loaded.version == 1
+    for key, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(loaded.params[key]).view(np.uint32), value.view(np.uint32))
+
+    publisher = OrbaxWeightPublisher(directory)  # the next publisher clears the leftover and goes on
+    publisher.publish({k: jax.device_put(v[:10]) for k, v in big_params(1, 2).items()}, 2)
+    publisher.close()
+    assert not tmp_dir.exists()
+    assert fresh.latest_version() == 2
+    reader.close()
+    fresh.close()
+
+
+def test_published_arrays_can_be_donated_right_after_publish(tmp_path: Path, caplog, params_2x4: nnx.State) -> None:
+    caplog.set_level(logging.INFO, logger="areal_jax.weights")
+    params = on_mesh(params_2x4, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    expected = flat(params)
+    target = abstract_target(params)
+    publisher = OrbaxWeightPublisher(tmp_path)
+    publisher.publish(params, 3)
+    for leaf in jax.tree.leaves(params):
+        leaf.delete()  # what donation to the next train step does
+    publisher.close()
+    loaded = OrbaxWeightSubscriber(tmp_path).load(3, target)
+    assert flat(loaded.params).keys() == expected.keys()
+    for key, value in flat(loaded.params).items():
+        np.testing.assert_array_equal(value, expected[key])
+    nbytes = sum(v.nbytes for v in expected.values())
+    assert f"wrote weights version 3: {nbytes} bytes" in caplog.text
+    assert f"loaded weights version 3: {nbytes} bytes" in caplog.text
+
+
+def test_versions_polling_retention_and_a_vanished_version(tmp_path: Path, params_2x4: nnx.State) -> None:
+    mesh = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    subscriber = OrbaxWeightSubscriber(tmp_path / "w", poll_initial_s=0.01, poll_max_s=0.05)
+    assert subscriber.latest_version() is None
+    assert subscriber.wait_for_version(1, timeout_s=0.1) is None
+
+    publisher = OrbaxWeightPublisher(tmp_path / "w", max_to_keep=2)
+    states = {v: on_mesh(params_2x4, mesh, offset=v) for v in (1, 2, 3)}
+    target = abstract_target(states[1])
+    publisher.publish(states[1], 1)
+    assert subscriber.wait_for_version(1, timeout_s=30) == 1
+    with pytest.raises(ValueError, match="version 1 is not newer"):
+        publisher.publish(states[1], 1)
+    publisher.publish(states[2], 2)
+    publisher.publish(states[3], 3)
+    publisher.close()  # waits for the commit and for the background deletion of version 1
+    assert subscriber.latest_version() == 3
+    assert sorted(int(p.name) for p in (tmp_path / "w").iterdir() if p.name.isdigit()) == [2, 3]
+
+    loaded = subscriber.load(1, target)  # version 1 was deleted after the reader chose it: the newest loads
+    assert loaded.version == 3
+    assert_trees_equal(loaded.params, states[3])
+    with pytest.raises(Exception, match="4"):
+        subscriber.load(4, target)
+    with pytest.raises(ValueError, match="carries no sharding"):
+        subscriber.load(3, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), states[3]))
+    subscriber.close()
+
+
+def test_in_process_reshard_between_two_meshes(params_2x4: nnx.State) -> None:
+    params = on_mesh(params_2x4, make_mesh(MeshConfig(data=1, fsdp=2, tensor=4)))
+    expected = flat(params)
+    inference_mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    target = abstract_target(params, state_shardings(params, inference_mesh))
+
+    channel = InProcessWeights(target)
+    channel.publish(params, 1)
+    for leaf in jax.tree.leaves(params):
+        leaf.delete()  # the trainer donates its buffers; the channel holds its own copy
+    loaded = channel.load(1, target)
+    assert loaded.version == 1
+    for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(target), strict=True):
+        assert got.sharding == want.sharding
+    assert flat(loaded.params).keys() == expected.keys()
+    for key, value in flat(loaded.params).items():
+        np.testing.assert_array_equal(value, expected[key])
+
+
+def test_in_process_disjoint_meshes_versions_and_waiting(params_2x4: nnx.State) -> None:
+    inference_devices, trainer_devices = split_devices(jax.devices(), 1, 1)
+    trainer_mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), trainer_devices)
+    inference_mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), inference_devices)
+    channel = InProcessWeights()  # no target: copies stay on the trainer side until load
+    assert channel.latest_version() is None
+    with pytest.raises(LookupError):
+        channel.load(0, {})
+
+    got: list[int | None] = []
+    waiter = threading.Thread(target=lambda: got.append(channel.wait_for_version(2, timeout_s=30)))
+    waiter.start()
+    states = {v: on_mesh(params_2x4, trainer_mesh, offset=v) for v in (1, 2)}
+    target = abstract_target(states[1], state_shardings(states[1], inference_mesh))
+    channel.publish(states[1], 1)
+    expected = flat(states[2])
+    channel.publish(states[2], 2)
+    waiter.join()
+    assert got == [2]
+    with pytest.raises(ValueError, match="version 2 is not newer"):
+        channel.publish(states[2], 2)
+    for leaf in jax.tree.leaves(states[2]):
+        leaf.delete()  # the published copy is the channel's own, even on the trainer's shardings
+    with pytest.raises(ValueError, match="version 5 was not published"):
+        channel.load(5, target)
+    loaded = channel.load(1, target)  # replaced by 2
+    assert loaded.version == 2
+    assert {d for leaf in jax.tree.leaves(loaded.params) for d in leaf.sharding.device_set} == set(inference_devices)
+    assert flat(loaded.params).keys() == expected.keys()
+    for key, value in flat(loaded.params).items():
+        np.testing.assert_array_equal(value, expected[key])
+    assert channel.wait_for_version(3, timeout_s=0.05) is None
