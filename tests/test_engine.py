@@ -70,3 +70,16 @@ def test_sharded_generation_equals_single_device():
             q = jax.tree.leaves(engine.load_params(nnx.state(model), 0).state)[0]
             assert len(q.sharding.device_set) == 8
     assert outputs["sharded"] == outputs["single"]
+
+
+def test_warmup_compiles_every_bucket_once():
+    model = tiny_model()
+    engine = Engine(model, EngineConfig(max_slots=2, max_length=64))
+    params = engine.load_params(nnx.state(model), 0)
+    engine.warmup(params)
+    counts = (engine._prefill._cache_size(), engine._insert._cache_size(), engine._generate._cache_size())
+    assert counts == (len(engine.buckets),) * 3
+    with Generator(engine, params) as gen:
+        for n in (1, 17, 40):
+            gen.submit(list(range(1, n + 1)), SamplingParams(max_new_tokens=60, seed=n)).result(timeout=120)
+    assert (engine._prefill._cache_size(), engine._insert._cache_size(), engine._generate._cache_size()) == counts

@@ -199,6 +199,18 @@ class Engine:
             attend_length = None
         return self._generate(params.state, decode_state, attend_length)
 
+    def warmup(self, params: VersionedParams) -> None:
+        """Compile prefill and insert for every prompt bucket and generate for every cache-prefix bucket,
+        so no request pays a compilation later."""
+        decode_state = self.init_decode_state()
+        key = jax.random.key(0)
+        for bucket in self.buckets:
+            length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
+            prefix = self.prefill(params, np.zeros(bucket, np.int32), length)
+            decode_state = self.insert(prefix, decode_state, 0, SamplingParams(), key)
+            decode_state, result = self.generate(params, decode_state, max_position=length)
+        jax.block_until_ready(result)
+
     # -- compiled bodies -----------------------------------------------------------------------
 
     def _make_decode_shardings(self) -> Any:

@@ -1,0 +1,89 @@
+"""Settings of the trainer: optimizer, learning-rate schedule, PPO mini-batches, numerics, and the
+objective and packing sub-sections.
+
+Numerics ("fp32 master params + bf16 compute"): the trainer keeps its parameters and the Adam moments in
+`ModelConfig.param_dtype`, which must be float32 (the master copy every update is applied to); the matmuls
+run in `ModelConfig.compute_dtype`, because the decoder casts each weight to it where it is used, and the
+gradient flows back through that cast into the fp32 master. `TrainerConfig.compute_dtype` overrides the
+model's compute dtype for the trainer only (e.g. bf16 training of a model whose sampler computes in fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.data.packing import PackingConfig
+from areal_jax.objectives.config import AdvantageConfig, PPOConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Config):
+    """AdamW with global-norm gradient clipping and a warm-up + constant/cosine learning-rate schedule."""
+
+    lr: float = option(1e-6, gt=0.0, doc="peak learning rate")
+    beta1: float = option(0.9, ge=0.0, lt=1.0, doc="Adam first-moment decay")
+    beta2: float = option(0.999, ge=0.0, lt=1.0, doc="Adam second-moment decay")
+    eps: float = option(1e-8, gt=0.0, doc="Adam epsilon (added to the root of the second moment)")
+    weight_decay: float = option(
+        0.01, ge=0.0, doc="decoupled weight decay (times lr); biases and norm weights are not decayed"
+    )
+    grad_clip: float | None = option(1.0, gt=0.0, doc="clip gradients to this global L2 norm; null = no clipping")
+    warmup_steps: int = option(
+        0, ge=0, doc="linear warm-up: update k (from 0) uses lr * (k + 1) / warmup_steps while k < warmup_steps"
+    )
+    schedule: Literal["constant", "cosine"] = option(
+        "constant", doc="after warm-up: constant lr, or cosine decay to min_lr_ratio * lr at total_steps"
+    )
+    total_steps: int | None = option(
+        None, ge=1, doc="optimizer updates over which the cosine decays (warm-up included); cosine only"
+    )
+    min_lr_ratio: float = option(0.0, ge=0.0, le=1.0, doc="cosine: final lr as a fraction of lr")
+
+    def validate(self) -> None:
+        if self.schedule == "cosine":
+            if self.total_steps is None:
+                raise ConfigError("total_steps", "is null but schedule is 'cosine'; set the number of updates")
+            if self.total_steps <= self.warmup_steps:
+                raise ConfigError(
+                    "total_steps",
+                    f"value {self.total_steps} must exceed warmup_steps={self.warmup_steps} for the cosine schedule",
+                )
+        elif self.total_steps is not None:
+            raise ConfigError("total_steps", f"is {self.total_steps} but schedule is 'constant'; set it to null")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig(Config):
+    """The trainer: one step = proximal log-prob pass, advantages, `ppo_minibatches` optimizer updates."""
+
+    optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="AdamW, clipping and lr schedule")
+    ppo_minibatches: int = option(
+        1,
+        ge=1,
+        doc="optimizer updates per step: the step's sequences are split into this many mini-batches of "
+        "balanced token counts, each one update whose loss is normalised by its own loss-token count",
+    )
+    temperature: float = option(
+        1.0, gt=0.0, doc="softmax temperature of the trainer's log-probs; must equal the sampler's temperature"
+    )
+    compute_dtype: Literal["model", "float32", "bfloat16"] = option(
+        "model",
+        doc="matmul dtype of the trainer ('model' = ModelConfig.compute_dtype); params and Adam state stay float32",
+    )
+    ppo: PPOConfig = option(default_factory=PPOConfig, doc="the policy loss")
+    advantage: AdvantageConfig = option(default_factory=AdvantageConfig, doc="outcome-reward advantages")
+    packing: PackingConfig = option(default_factory=PackingConfig, doc="token-budget micro-batches")
+
+    def validate(self) -> None:
+        if self.ppo.kl_coef > 0:
+            raise ConfigError(
+                "ppo.kl_coef",
+                f"is {self.ppo.kl_coef} but the trainer has no reference model yet; set it to 0",
+            )
+        if self.advantage.kl_reward_coef > 0:
+            raise ConfigError(
+                "advantage.kl_reward_coef",
+                f"is {self.advantage.kl_reward_coef} but the trainer has no reference model yet; set it to 0",
+            )

@@ -1,0 +1,216 @@
+"""The trainer: the next-token shift, mini-batches, no recompilation, NaN skipping, and PPO that learns."""
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.configuration import ConfigError
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.inference.static_batch import StaticBatchGenerator
+from areal_jax.trainer.batching import build_batch, split_minibatches
+from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
+from areal_jax.trainer.train_step import learning_rate_schedule
+from areal_jax.trainer.trainer import Trainer
+from tests.test_train_step import CONFIG, make_trajectories, single_device_mesh, tiny_model_state
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _trajectory(tokens, prompt_length, behav, versions, reward, group_id, sample_index=0) -> Trajectory:
+    n = len(tokens)
+    return Trajectory(
+        token_ids=np.asarray(tokens, np.int32),
+        behav_logprobs=np.asarray(behav, np.float32),
+        versions=np.asarray(versions, np.int32),
+        loss_mask=np.arange(n) >= prompt_length,
+        prompt_length=prompt_length,
+        reward=reward,
+        prompt_id=f"p{group_id}",
+        group_id=group_id,
+        sample_index=sample_index,
+    )
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    graphdef, state = tiny_model_state()
+    return Trainer(nnx.merge(graphdef, state), CONFIG, single_device_mesh())
+
+
+def test_batching_shifts_targets_and_per_token_data_by_one():
+    a = _trajectory([10, 11, 12, 13, 14], 2, [0, 0, -1, -2, -3], [-1, -1, 3, 3, 4], reward=1.0, group_id=7)
+    b = _trajectory([20, 21, 22], 1, [0, -5, -6], [-1, 2, 2], reward=0.0, group_id=7, sample_index=1)
+    (batch,) = build_batch([a, b], CONFIG).minibatches
+
+    def sequence_starting_with(token: int) -> tuple[int, int, np.ndarray]:
+        starts = (batch.positions == 0) & (batch.segment_ids > 0) & (batch.tokens == token)
+        (m,), (row,), (col,) = np.nonzero(starts)
+        return m, row, batch.segment_ids[m, row] == batch.segment_ids[m, row, col]
+
+    m, row, cols = sequence_starting_with(10)
+    assert batch.tokens[m, row][cols].tolist() == [10, 11, 12, 13]
+    assert batch.targets[m, row][cols].tolist() == [11, 12, 13, 14]
+    assert batch.positions[m, row][cols].tolist() == [0, 1, 2, 3]
+    assert batch.loss_mask[m, row][cols].tolist() == [False, True, True, True]
+    assert batch.logp_behav[m, row][cols].tolist() == [0, -1, -2, -3]
+    assert batch.versions[m, row][cols].tolist() == [-1, 3, 3, 4]
+    np.testing.assert_allclose(batch.advantages[m, row][cols], 1.0, atol=1e-4)  # (1 - 0.5) / 0.5
+    m, row, cols = sequence_starting_with(20)
+    assert batch.targets[m, row][cols].tolist() == [21, 22]
+    assert batch.loss_mask[m, row][cols].tolist() == [True, True]
+    np.testing.assert_allclose(batch.advantages[m, row][cols], -1.0, atol=1e-4)
+    padding = batch.segment_ids == 0
+    assert not batch.loss_mask[padding].any() and (batch.versions[padding] == -1).all()
+    assert int(batch.loss_mask.sum()) == a.num_loss_tokens + b.num_loss_tokens
+
+    with pytest.raises(ValueError, match="p3/0 has 1 token"):
+        build_batch([_trajectory([5], 1, [0], [-1], 0.0, group_id=3)], CONFIG)
+
+
+def test_split_minibatches_balances_tokens_and_refuses_too_few_sequences():
+    lengths = np.array([50, 10, 40, 30, 20, 30])
+    parts = split_minibatches(lengths, 2)
+    assert sorted(int(lengths[p].sum()) for p in parts) == [90, 90]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(6))
+    with pytest.raises(ValueError, match="cannot split 6 sequences into 7"):
+        split_minibatches(lengths, 7)
+
+
+def test_trainer_config_validation():
+    with pytest.raises(ConfigError, match="total_steps: is null but schedule is 'cosine'"):
+        OptimizerConfig(schedule="cosine")
+    with pytest.raises(ConfigError, match="total_steps: value 10 must exceed warmup_steps=10"):
+        OptimizerConfig(schedule="cosine", total_steps=10, warmup_steps=10)
+    with pytest.raises(ConfigError, match="total_steps: is 5 but schedule is 'constant'"):
+        OptimizerConfig(total_steps=5)
+    with pytest.raises(ConfigError, match=r"ppo\.kl_coef: is 0\.1"):
+        TrainerConfig(ppo=CONFIG.ppo.replace(kl_coef=0.1))
+    with pytest.raises(ConfigError, match="ppo_minibatches: value 0"):
+        TrainerConfig(ppo_minibatches=0)
+
+
+def test_learning_rate_schedule_warms_up_then_decays():
+    cosine = learning_rate_schedule(
+        OptimizerConfig(lr=1.0, warmup_steps=4, schedule="cosine", total_steps=14, min_lr_ratio=0.1)
+    )
+    assert [float(cosine(k)) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert math.isclose(float(cosine(9)), 0.1 + 0.9 * 0.5, rel_tol=1e-6)
+    assert math.isclose(float(cosine(14)), 0.1, rel_tol=1e-6) and math.isclose(float(cosine(100)), 0.1, rel_tol=1e-6)
+    constant = learning_rate_schedule(OptimizerConfig(lr=2.0, warmup_steps=2))
+    assert [float(constant(k)) for k in (0, 1, 2, 50)] == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_no_recompilation_across_length_mixes(trainer):
+    rng = np.random.default_rng(10)
+    trainer.step(make_trajectories(rng, 8, lengths=(4, 6)))  # one micro-batch
+    trainer.step(make_trajectories(rng, 8, lengths=(38, 40)))  # eight full rows: two micro-batches
+    compiles = []
+
+    def listener(event: str, seconds: float, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        microbatches = set()
+        for _ in range(20):
+            low, high = sorted(rng.integers(4, 41, 2))
+            stats = trainer.step(make_trajectories(rng, 8, lengths=(int(low), int(high))))
+            microbatches.add(stats["batch/microbatches"])
+            assert stats["train/skipped_updates"] == 0 and np.isfinite(stats["train/loss"])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert microbatches == {1.0, 2.0}
+
+
+def test_nan_reward_skips_the_update_and_training_goes_on(trainer):
+    rng = np.random.default_rng(11)
+    bad = make_trajectories(rng, 8, lengths=(4, 24), version=trainer.version)
+    bad[1] = dataclasses.replace(bad[1], reward=float("nan"))
+    params_before = jax.device_get(trainer.params)
+    count_before = int(trainer.opt_state[-1].count)
+    skipped_before, version_before = trainer.skipped_updates, trainer.version
+
+    stats = trainer.step(bad)
+    assert stats["train/skipped_updates"] == 1 and trainer.skipped_updates == skipped_before + 1
+    assert stats["train/skipped_updates_total"] == trainer.skipped_updates
+    assert not np.isfinite(stats["train/loss"])
+    assert int(trainer.opt_state[-1].count) == count_before
+    for before, after in zip(jax.tree.leaves(params_before), jax.tree.leaves(trainer.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(after), before)
+    assert trainer.version == version_before + 1  # the (unchanged) weights are still published
+
+    stats = trainer.step(make_trajectories(rng, 8, lengths=(4, 24), version=trainer.version))
+    assert stats["train/skipped_updates"] == 0 and np.isfinite(stats["train/loss"]) and stats["train/grad_norm"] > 0
+    assert int(trainer.opt_state[-1].count) == count_before + 1
+    changed = [
+        not np.array_equal(np.asarray(after), before)
+        for before, after in zip(jax.tree.leaves(params_before), jax.tree.leaves(trainer.params), strict=True)
+    ]
+    assert all(changed)
+
+
+def test_ppo_minibatches_make_several_updates_and_stats_cover_the_step():
+    graphdef, state = tiny_model_state()
+    published = []
+    trainer = Trainer(
+        nnx.merge(graphdef, state),
+        CONFIG.replace(ppo_minibatches=2),
+        single_device_mesh(),
+        publish=lambda params, version: published.append((version, params)),
+        version=5,
+    )
+    trajectories = make_trajectories(np.random.default_rng(12), 16, lengths=(4, 24), version=5)
+    stats = trainer.step(trajectories)
+    assert int(trainer.opt_state[-1].count) == 2 and stats["batch/microbatches"] == 2
+    assert stats["train/loss_tokens"] == stats["ppo/n_tokens"] == sum(t.num_loss_tokens for t in trajectories)
+    assert stats["train/throughput"] == pytest.approx(stats["train/loss_tokens"] / stats["train/step_time"])
+    assert sum(stats[f"staleness/{k}/n_tokens"] for k in ("0", "1", "2")) == stats["ppo/n_tokens"]
+    assert stats["staleness/0/n_tokens"] > 0 and stats["staleness/2/n_tokens"] > 0
+    assert [version for version, _ in published] == [6] and trainer.version == 6
+    assert published[0][1] is trainer.params
+
+
+def test_ppo_learns_a_synthetic_task():
+    """Reward 1 when the sampled token is one of the 16 lowest ids (a quarter of the vocabulary)."""
+    graphdef, state = tiny_model_state()
+    generator = StaticBatchGenerator(nnx.merge(graphdef, state), stop_token_ids=[0])
+
+    def publish(params: nnx.State, version: int) -> None:
+        generator.state = params
+
+    config = CONFIG.replace(optimizer=CONFIG.optimizer.replace(lr=1e-2))
+    trainer = Trainer(nnx.merge(graphdef, state), config, single_device_mesh(), publish)
+    generator.state = trainer.params
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    mean_rewards = []
+    for _ in range(20):
+        prompts = [[int(x) for x in rng.integers(1, 64, 3)] for _ in range(8)]
+        key, sub = jax.random.split(key)
+        completions = generator.generate([p for p in prompts for _ in range(4)], 1, config.temperature, sub)
+        trajectories = []
+        for i, completion in enumerate(completions):
+            token = completion.output_ids[0]
+            trajectories.append(
+                _trajectory(
+                    [*completion.prompt_ids, token],
+                    3,
+                    [0, 0, 0, completion.logprobs[0]],
+                    [-1, -1, -1, trainer.version],
+                    reward=float(token < 16),
+                    group_id=i // 4,
+                    sample_index=i % 4,
+                )
+            )
+        mean_rewards.append(np.mean([t.reward for t in trajectories]))
+        stats = trainer.step(trajectories)
+        assert stats["train/skipped_updates"] == 0
+        assert stats["ppo/iw_max"] < 1.001  # the sampler's log-probs match the trainer's (same version)
+    first, last = np.mean(mean_rewards[:5]), np.mean(mean_rewards[-5:])
+    assert last > first + 0.3, (first, last, mean_rewards)
