@@ -1,9 +1,10 @@
-"""The `areal-jax` command: `demo` (the current main job), `config` (print or describe a config),
-`convert` (re-export an HF checkpoint through our parameters)."""
+"""The `areal-jax` command: `train` (asynchronous RL, the main job), `demo` (generate and score with a
+fresh model), `config` (print or describe a config), `convert` (re-export an HF checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -51,6 +52,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from areal_jax.config import load_experiment
+    from areal_jax.system.async_rl import run_async
+
+    path, overrides = _split_config_args(args.rest)
+    summary = run_async(load_experiment(path, overrides), resume=args.resume)
+    print(json.dumps(dataclasses.asdict(summary), indent=2))
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 
@@ -63,6 +74,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="asynchronous RL on the embedded arithmetic task (one process)")
+    train.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
+    train.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    train.set_defaults(func=_cmd_train)
     demo = sub.add_parser("demo", help="generate and score completions on the embedded arithmetic task")
     demo.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     demo.set_defaults(func=_cmd_demo)
@@ -80,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("jax").setLevel(logging.WARNING)
+    for noisy in ("jax", "absl", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

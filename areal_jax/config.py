@@ -6,9 +6,12 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
-from areal_jax.configuration import Config, load, option
+from areal_jax.configuration import Config, ConfigError, load, option
 from areal_jax.models.config import ModelConfig
+from areal_jax.rollout.config import RolloutConfig
 from areal_jax.sharding import MeshConfig
+from areal_jax.trainer.checkpoint import CheckpointConfig
+from areal_jax.trainer.config import TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +32,23 @@ class ExperimentConfig(Config):
     output_dir: str = option("runs", doc="root directory of run outputs")
     seed: int = option(0, ge=0, doc="seed of parameter init, data order and sampling")
     tokenizer: str = option("char", doc="'char' (synthetic tasks) or a directory with tokenizer.json")
-    checkpoint: str | None = option(None, doc="HF checkpoint directory to load; null = random init from model")
+    hf_checkpoint: str | None = option(None, doc="HF checkpoint directory to start from; null = random init")
     model: ModelConfig = option(default_factory=ModelConfig, doc="decoder architecture")
-    mesh: MeshConfig = option(default_factory=MeshConfig, doc="device mesh")
-    generation: GenerationConfig = option(default_factory=GenerationConfig, doc="sampling")
+    mesh: MeshConfig = option(default_factory=MeshConfig, doc="device mesh (the demo's, and each side's shape)")
+    generation: GenerationConfig = option(default_factory=GenerationConfig, doc="sampling of `demo`")
+    train_steps: int = option(20, ge=1, doc="trainer steps of `train`")
+    trainer: TrainerConfig = option(default_factory=TrainerConfig, doc="the PPO trainer")
+    rollout: RolloutConfig = option(default_factory=RolloutConfig, doc="the rollout side")
+    train_checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig, doc="training checkpoints")
+
+    def validate(self) -> None:
+        sampler = self.rollout.workflow.sampling
+        if sampler.temperature != self.trainer.temperature:
+            raise ConfigError(
+                "trainer.temperature",
+                f"value {self.trainer.temperature} differs from rollout.workflow.sampling.temperature="
+                f"{sampler.temperature}; behaviour and trainer log-probs must use the same temperature",
+            )
 
     @property
     def run_dir(self) -> Path:

@@ -59,9 +59,9 @@ def run_demo(cfg: ExperimentConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.tokenizer)
     mesh = make_mesh(cfg.mesh)
-    if cfg.checkpoint is not None:
-        model_cfg, model = load_hf_checkpoint(cfg.checkpoint, mesh=mesh)
-        source = cfg.checkpoint
+    if cfg.hf_checkpoint is not None:
+        model_cfg, model = load_hf_checkpoint(cfg.hf_checkpoint, mesh=mesh)
+        source = cfg.hf_checkpoint
     else:
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(

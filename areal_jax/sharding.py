@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -146,3 +147,17 @@ def state_shardings(state: nnx.State, mesh: Mesh) -> Any:
 def data_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding of a [batch, ...] host batch: rows over data+fsdp, the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh=mesh))
+
+
+def copy_to(tree: Any, shardings: Any) -> Any:
+    """A private copy of `tree` placed on `shardings` (device to device, no host round trip).
+
+    The result never shares a buffer with `tree`, so the source may be donated right away: where the
+    source and target device sets overlap, `device_put` can hand back the source's own buffers (even with
+    `may_alias=False` for a replicated target), so the arrays are first copied on their own devices.
+    """
+    source_devices = {d for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set}
+    target_devices = {d for s in jax.tree.leaves(shardings) for d in s.device_set}
+    if source_devices & target_devices:
+        tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
+    return jax.device_put(tree, shardings)

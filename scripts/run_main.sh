@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job on CPU: installs what it needs into .venv, then runs the embedded default task.
-# Extra arguments are config overrides, e.g. generation.temperature=0.7
+# The main job on CPU: installs what it needs into .venv, then runs asynchronous RL on the embedded
+# arithmetic task.
+# Extra arguments are config overrides, e.g. train_steps=100 rollout.staleness.max_head_offpolicyness=0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/ensure_venv.sh requirements.txt
-exec .venv/bin/areal-jax demo configs/demo.yaml "$@"
+exec .venv/bin/areal-jax train configs/train_cpu.yaml "$@"

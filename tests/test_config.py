@@ -20,7 +20,7 @@ def test_yaml_and_overrides_build_typed_frozen_tree(tmp_path):
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = load_experiment(None, ["model.head_dim=16", "checkpoint=/tmp/ckpt", "model.rope_scaling={factor: 2.0}"])
+    cfg = load_experiment(None, ["model.head_dim=16", "hf_checkpoint=/tmp/ckpt", "model.rope_scaling={factor: 2.0}"])
     path = tmp_path / "back.yaml"
     path.write_text(to_yaml(cfg))
     assert load_experiment(path) == cfg

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from typing import Literal
 
 from areal_jax.configuration import Config, ConfigError, option
+
+_INTEGER = re.compile(r"-?[0-9]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +25,7 @@ class ArithmeticTaskConfig(Config):
     max_operand: int = option(9, ge=0, doc="largest operand")
     operators: str = option("+-", doc="operators to draw from, a subset of '+-*'")
     num_terms: int = option(2, ge=2, le=4, doc="operands per problem")
+    format_bonus: float = option(0.0, ge=0, lt=1, doc="reward for a wrong answer that is still an integer")
 
     def validate(self) -> None:
         if self.max_operand < self.min_operand:
@@ -66,6 +70,10 @@ def _evaluate(terms: list[str], ops: list[str]) -> int:
     return total
 
 
-def arithmetic_reward(completion_text: str, answer: str) -> float:
-    """1.0 when the completion states exactly the answer, else 0.0."""
-    return 1.0 if completion_text.replace(" ", "").strip() == answer else 0.0
+def arithmetic_reward(completion_text: str, answer: str, format_bonus: float = 0.0) -> float:
+    """1.0 when the completion states exactly the answer; `format_bonus` when it is some other integer
+    (a shaping term that gives a small model a signal before it can add); else 0.0."""
+    stated = completion_text.replace(" ", "").strip()
+    if stated == answer:
+        return 1.0
+    return format_bonus if _INTEGER.fullmatch(stated) else 0.0

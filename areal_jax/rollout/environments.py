@@ -57,6 +57,20 @@ def arithmetic_reward_fn(completion: str, task: Any) -> tuple[float, dict[str, f
     return reward, {"correct": reward}
 
 
+@dataclasses.dataclass(frozen=True)
+class ArithmeticRewardFn:
+    """The arithmetic reward with a format bonus for integer answers; components `correct` and `format`."""
+
+    format_bonus: float = 0.0
+
+    def __call__(self, completion: str, task: Any) -> tuple[float, dict[str, float]]:
+        answer = _answer_of(task)
+        correct = arithmetic_reward(completion, answer)
+        shaped = arithmetic_reward(completion, answer, self.format_bonus)
+        well_formed = arithmetic_reward(completion, answer, format_bonus=1.0)  # 1 for any integer answer
+        return shaped, {"correct": correct, "format": well_formed}
+
+
 class MathRewardFn:
     """`MathVerifier` as a reward function: reward = `correct`, components `correct` and `format`."""
 

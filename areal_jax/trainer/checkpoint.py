@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from areal_jax.configuration import Config, option
-from areal_jax.weights.base import target_shardings, tree_nbytes
+from areal_jax.weights.base import checkpoint_location, target_shardings, tree_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ class TrainCheckpointer:
             enable_async_checkpointing=self.config.async_save,
             cleanup_tmp_directories=True,
         )
-        self._manager = ocp.CheckpointManager(directory, item_names=(self.STATE, self.METADATA), options=options)
+        self._manager = ocp.CheckpointManager(
+            checkpoint_location(directory), item_names=(self.STATE, self.METADATA), options=options
+        )
         self._stop = threading.Event()
         self._signal: int | None = None
         self._previous: dict[int, Any] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -83,3 +85,9 @@ def target_shardings(target: Any) -> Any:
 def tree_nbytes(tree: Any) -> int:
     """Total bytes of the arrays (or abstract arrays) of a pytree."""
     return sum(int(leaf.size) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def checkpoint_location(directory: str | os.PathLike[str]) -> str | Path:
+    """An Orbax-ready location: a `gs://` URL unchanged, a local path made absolute (Orbax requires it)."""
+    text = os.fspath(directory)
+    return text if "://" in text else Path(text).absolute()

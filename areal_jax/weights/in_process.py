@@ -1,7 +1,7 @@
 """The in-process weight channel: one JAX program, trainer and inference meshes, reshard by `device_put`.
 
-The published params are copied device-to-device (`jax.device_put` with `may_alias=False`, no host round
-trip) at publish time, onto the inference shardings if they were given, so the trainer may donate its
+The published params are copied device-to-device (`sharding.copy_to`: never aliasing the source, no host
+round trip) at publish time, onto the inference shardings if they were given, so the trainer may donate its
 buffers to the next step as soon as `publish` returns. Only the newest version is kept.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from areal_jax.sharding import copy_to
 from areal_jax.weights.base import LoadedWeights, target_shardings, tree_nbytes
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class InProcessWeights:
             raise ValueError(f"version {version} is not newer than the latest published version {latest}")
         started = time.perf_counter()
         destination = self._shardings if self._shardings is not None else jax.tree.map(lambda a: a.sharding, params)
-        copy = jax.block_until_ready(jax.device_put(params, destination, may_alias=False))
+        copy = jax.block_until_ready(copy_to(params, destination))
         seconds = time.perf_counter() - started
         nbytes = tree_nbytes(copy)
         with self._cond:

@@ -25,7 +25,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from areal_jax.weights.base import LoadedWeights, target_shardings, tree_nbytes
+from areal_jax.weights.base import LoadedWeights, checkpoint_location, target_shardings, tree_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class OrbaxWeightPublisher:
             enable_background_delete=True,
             cleanup_tmp_directories=True,
         )
-        self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handler(compress))
+        self._manager = ocp.CheckpointManager(
+            checkpoint_location(directory), options=options, item_handlers=_handler(compress)
+        )
         self._pending: tuple[int, int, float] | None = None  # version, bytes, start time of the save in flight
 
     def publish(self, params: Any, version: int) -> None:
@@ -117,7 +119,7 @@ class OrbaxWeightSubscriber:
         self.directory = directory
         self._poll = (poll_initial_s, poll_max_s)
         options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
-        self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handler())
+        self._manager = ocp.CheckpointManager(checkpoint_location(directory), options=options, item_handlers=_handler())
         self._closed = threading.Event()
 
     def latest_version(self) -> int | None:

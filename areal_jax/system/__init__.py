@@ -1,0 +1,1 @@
+"""Wiring of the rollout side and the trainer side into runnable systems."""
