@@ -83,3 +83,32 @@ def test_warmup_compiles_every_bucket_once():
         for n in (1, 17, 40):
             gen.submit(list(range(1, n + 1)), SamplingParams(max_new_tokens=60, seed=n)).result(timeout=120)
     assert (engine._prefill._cache_size(), engine._insert._cache_size(), engine._generate._cache_size()) == counts
+
+
+def test_batched_prefill_and_insert_equal_one_at_a_time():
+    model = tiny_model(3)
+    engine = Engine(model, EngineConfig(max_slots=6, max_length=64, max_prefill_batch=4))
+    params = engine.load_params(nnx.state(model), 0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    batch = engine.prefill_batch(params, prompts)
+    assert batch.logits.shape[0] == 4  # 3 prompts padded to the row bucket of 4
+    for row, prompt in enumerate(prompts):
+        padded, n = engine.pad_tokens(prompt)
+        single = engine.prefill(params, padded, n)
+        np.testing.assert_allclose(batch.logits[row], single.logits, atol=1e-5)
+    sampling = SamplingParams(temperature=0.7, seed=0)
+    keys = [jax.random.key(i) for i in range(4)]
+    batched = engine.insert_batch(batch, engine.init_decode_state(), [0, 1, 1, 2], [5, 0, 3, 2], [sampling] * 4, keys)
+    one_by_one = engine.init_decode_state()
+    for row, slot, key in zip([0, 1, 1, 2], [5, 0, 3, 2], keys, strict=True):
+        padded, n = engine.pad_tokens(prompts[row])
+        one_by_one = engine.insert(engine.prefill(params, padded, n), one_by_one, slot, sampling, key)
+    for field in ("positions", "tokens", "keys"):
+        np.testing.assert_array_equal(getattr(batched, field), getattr(one_by_one, field), err_msg=field)
+    np.testing.assert_allclose(batched.logprobs, one_by_one.logprobs, atol=1e-5)
+    assert np.asarray(batched.positions)[[5, 0, 3, 2]].tolist() == [3, 5, 5, 1]
+    for slot, row in zip([5, 0, 3, 2], [0, 1, 1, 2], strict=True):
+        n = len(prompts[row])
+        np.testing.assert_allclose(batched.cache.k[:, slot, :n], one_by_one.cache.k[:, slot, :n], atol=1e-5)
+    untouched = np.asarray(batched.cache.k)[:, [1, 4]]
+    assert np.abs(untouched).sum() == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
@@ -42,12 +43,21 @@ class EngineConfig(Config):
     max_slots: int = option(32, ge=1, doc="concurrent sequences (decode batch)")
     max_length: int = option(1024, ge=2, doc="cache length per slot: prompt + generated tokens at most")
     min_prefill_bucket: int = option(16, ge=1, doc="shortest prefill length bucket")
+    max_prefill_batch: int = option(16, ge=1, doc="prompts prefilled together in one call at most")
 
     def validate(self) -> None:
         if self.min_prefill_bucket > self.max_length:
             raise ConfigError(
                 "min_prefill_bucket", f"value {self.min_prefill_bucket} exceeds max_length={self.max_length}"
             )
+
+    def row_buckets(self, cap: int) -> tuple[int, ...]:
+        """Batch sizes a batched prefill or insert is padded to: powers of 4 below `cap`, then `cap`."""
+        sizes, size = [], 1
+        while size < cap:
+            sizes.append(size)
+            size *= 4
+        return (*sizes, cap)
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Power-of-two prefill lengths from min_prefill_bucket up to max_length (which is always one)."""
@@ -74,6 +84,15 @@ class Prefix:
     cache: KVCache
     logits: jax.Array
     length: jax.Array
+
+
+@flax.struct.dataclass
+class PrefixBatch:
+    """Several prefilled prompts of one length bucket: KV [Y, B, Tb, K, H], logits [B, V], lengths [B]."""
+
+    cache: KVCache
+    logits: jax.Array
+    lengths: jax.Array
 
 
 @flax.struct.dataclass
@@ -116,8 +135,12 @@ class Engine:
         self.param_shardings = state_shardings(state, mesh) if mesh is not None else None
         self.buckets = config.prefill_buckets()
         self._decode_shardings = self._make_decode_shardings()
+        self.prefill_rows = config.row_buckets(min(config.max_prefill_batch, config.max_slots))
+        self.insert_rows = config.row_buckets(config.max_slots)
         self._prefill = jax.jit(self._prefill_impl)
+        self._prefill_batch = jax.jit(self._prefill_batch_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
+        self._insert_batch = jax.jit(self._insert_batch_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
         self._generate = jax.jit(
             self._generate_impl,
             static_argnums=(2,),
@@ -189,6 +212,45 @@ class Engine:
             jnp.float32(sampling.top_p),
         )
 
+    def prefill_batch(self, params: VersionedParams, prompts: Sequence[Sequence[int]]) -> PrefixBatch:
+        """Prefill up to `max_prefill_batch` prompts of one length bucket in one call (rows padded to a
+        row bucket; row i of the result is prompt i)."""
+        if not 0 < len(prompts) <= self.prefill_rows[-1]:
+            raise ValueError(f"{len(prompts)} prompts; a batched prefill takes 1..{self.prefill_rows[-1]}")
+        padded = [self.pad_tokens(list(p)) for p in prompts]
+        width = max(len(tokens) for tokens, _ in padded)
+        rows = bucket_for(len(prompts), self.prefill_rows)
+        tokens_BxT = np.zeros((rows, width), np.int32)
+        lengths_B = np.ones(rows, np.int32)
+        for row, (tokens, length) in enumerate(padded):
+            tokens_BxT[row, :length] = tokens[:length]
+            lengths_B[row] = length
+        return self._prefill_batch(params.state, jnp.asarray(tokens_BxT), jnp.asarray(lengths_B))
+
+    def insert_batch(
+        self,
+        prefixes: PrefixBatch,
+        decode_state: DecodeState,
+        rows: Sequence[int],
+        slots: Sequence[int],
+        samplings: Sequence[SamplingParams],
+        keys: Sequence[jax.Array],
+    ) -> DecodeState:
+        """Insert row `rows[i]` of `prefixes` into slot `slots[i]` (a row may go to several slots: the n
+        samples of a prompt), sampling each slot's first token with `samplings[i]` and `keys[i]`."""
+        n = len(slots)
+        if not 0 < n <= self.config.max_slots or not len(rows) == len(samplings) == len(keys) == n:
+            raise ValueError(f"insert_batch needs 1..{self.config.max_slots} equally long rows/slots/samplings/keys")
+        width = bucket_for(n, self.insert_rows)
+        pad = width - n
+        slot_R = np.array([*slots, *[self.config.max_slots] * pad], np.int32)  # padding rows are dropped
+        row_R = np.array([*rows, *[0] * pad], np.int32)
+        key_data = jnp.stack([jax.random.key_data(k) for k in keys] + [jnp.zeros(2, jnp.uint32)] * pad)
+        temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
+        top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
+        top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
+        return self._insert_batch(prefixes, decode_state, row_R, slot_R, key_data, temperature, top_k, top_p)
+
     def generate(
         self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
     ) -> tuple[DecodeState, ResultTokens]:
@@ -200,14 +262,21 @@ class Engine:
         return self._generate(params.state, decode_state, attend_length)
 
     def warmup(self, params: VersionedParams) -> None:
-        """Compile prefill and insert for every prompt bucket and generate for every cache-prefix bucket,
-        so no request pays a compilation later."""
+        """Compile every program a request can need (each prefill and insert row bucket at each length
+        bucket, and generate at each cache-prefix bucket), so no request pays a compilation later."""
         decode_state = self.init_decode_state()
         key = jax.random.key(0)
+        sampling = SamplingParams()
         for bucket in self.buckets:
             length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
             prefix = self.prefill(params, np.zeros(bucket, np.int32), length)
-            decode_state = self.insert(prefix, decode_state, 0, SamplingParams(), key)
+            decode_state = self.insert(prefix, decode_state, 0, sampling, key)
+            for rows in self.prefill_rows:
+                batch = self.prefill_batch(params, [[1] * length] * rows)
+            for rows in self.insert_rows:
+                decode_state = self.insert_batch(
+                    batch, decode_state, [0] * rows, list(range(rows)), [sampling] * rows, [key] * rows
+                )
             decode_state, result = self.generate(params, decode_state, max_position=length)
         jax.block_until_ready(result)
 
@@ -242,9 +311,13 @@ class Engine:
             top_p=per_slot,
         )
 
+    def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
+        logits_BxV, cache = nnx.merge(self.graphdef, state).prefill(tokens_BxT, lengths_B)
+        return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B)
+
     def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:
-        logits_1xV, cache = nnx.merge(self.graphdef, state).prefill(tokens_T[None, :], length[None])
-        return Prefix(cache=cache, logits=logits_1xV[0], length=length)
+        batch = self._prefill_batch_impl(state, tokens_T[None, :], length[None])
+        return Prefix(cache=batch.cache, logits=batch.logits[0], length=length)
 
     def _insert_impl(
         self,
@@ -256,21 +329,46 @@ class Engine:
         top_k: jax.Array,
         top_p: jax.Array,
     ) -> DecodeState:
-        zero = jnp.zeros((), jnp.int32)
-        index = (zero, slot, zero, zero, zero)
-        k = jax.lax.dynamic_update_slice(ds.cache.k, prefix.cache.k.astype(ds.cache.k.dtype), index)
-        v = jax.lax.dynamic_update_slice(ds.cache.v, prefix.cache.v.astype(ds.cache.v.dtype), index)
-        key, sample_key = jax.random.split(jax.random.wrap_key_data(key_data))
-        token, logp = sample_slots(prefix.logits[None], sample_key[None], temperature[None], top_k[None], top_p[None])
+        batch = PrefixBatch(cache=prefix.cache, logits=prefix.logits[None], lengths=prefix.length[None])
+        zero = jnp.zeros((1,), jnp.int32)
+        return self._insert_batch_impl(
+            batch, ds, zero, slot[None], key_data[None], temperature[None], top_k[None], top_p[None]
+        )
+
+    def _insert_batch_impl(
+        self,
+        batch: PrefixBatch,
+        ds: DecodeState,
+        rows_R: jax.Array,
+        slots_R: jax.Array,
+        key_data_Rx2: jax.Array,
+        temperature_R: jax.Array,
+        top_k_R: jax.Array,
+        top_p_R: jax.Array,
+    ) -> DecodeState:
+        """Scatter prefix rows into slots (out-of-range slots, the padding, are dropped) and sample each
+        slot's first token from its prefix logits."""
+        tb = batch.cache.k.shape[2]
+        k_YxRxTxKxH = batch.cache.k[:, rows_R].astype(ds.cache.k.dtype)
+        v_YxRxTxKxH = batch.cache.v[:, rows_R].astype(ds.cache.v.dtype)
+        split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(key_data_Rx2)
+        tokens_R, logprobs_R = sample_slots(batch.logits[rows_R], split[:, 1], temperature_R, top_k_R, top_p_R)
+
+        def put(target: jax.Array, values: jax.Array) -> jax.Array:
+            return target.at[slots_R].set(values, mode="drop")
+
         return DecodeState(
-            cache=KVCache(k=k, v=v),
-            positions=ds.positions.at[slot].set(prefix.length),
-            tokens=ds.tokens.at[slot].set(token[0]),
-            logprobs=ds.logprobs.at[slot].set(logp[0]),
-            keys=ds.keys.at[slot].set(jax.random.key_data(key)),
-            temperature=ds.temperature.at[slot].set(temperature),
-            top_k=ds.top_k.at[slot].set(top_k),
-            top_p=ds.top_p.at[slot].set(top_p),
+            cache=KVCache(
+                k=ds.cache.k.at[:, slots_R, :tb].set(k_YxRxTxKxH, mode="drop"),
+                v=ds.cache.v.at[:, slots_R, :tb].set(v_YxRxTxKxH, mode="drop"),
+            ),
+            positions=put(ds.positions, batch.lengths[rows_R]),
+            tokens=put(ds.tokens, tokens_R),
+            logprobs=put(ds.logprobs, logprobs_R),
+            keys=put(ds.keys, jax.vmap(jax.random.key_data)(split[:, 0])),
+            temperature=put(ds.temperature, temperature_R),
+            top_k=put(ds.top_k, top_k_R),
+            top_p=put(ds.top_p, top_p_R),
         )
 
     def _generate_impl(

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.inference.engine import DecodeState, Engine, Prefix, VersionedParams
+from areal_jax.inference.engine import DecodeState, Engine, PrefixBatch, VersionedParams, bucket_for
 from areal_jax.inference.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class _PrefillJob:
 
     tokens: tuple[int, ...]
     samples: collections.deque[_Sample]
-    prefix: Prefix | None = None
+    prefix: tuple[PrefixBatch, int] | None = None  # (batched prefill result, this job's row)
     prefix_version: int = -1
 
 
@@ -101,6 +101,7 @@ class _Update:
 @dataclasses.dataclass
 class GeneratorStats:
     prefills: int = 0
+    prefill_calls: int = 0
     decode_steps: int = 0
     emitted_tokens: int = 0
     interruptions: int = 0
@@ -316,32 +317,58 @@ class Generator:
                     self._jobs.remove(job)
 
     def _admit(self) -> None:
+        """Fill free slots from the head of the queue: the jobs that need a prefix are prefilled together
+        (one call per length bucket), then each prefix batch is inserted into its slots in one call."""
         if self.admission == "static" and self._has_active():
             return
         free = [slot for slot, s in enumerate(self._slots) if s is None]
-        while free:
-            with self._cond:
-                if not self._jobs:
-                    return
-                job = self._jobs[0]
-            if job.prefix is None:
-                padded, length = self.engine.pad_tokens(list(job.tokens))
-                job.prefix = self.engine.prefill(self.params, padded, length)
-                job.prefix_version = self.params.version
-                self.stats.prefills += 1
-            while free and job.samples:
-                sample = job.samples.popleft()
-                slot = free.pop(0)
-                key = jax.random.fold_in(sample.key, len(sample.output_ids))
-                self._decode_state = self.engine.insert(
-                    job.prefix, self._decode_state, slot, sample.request.sampling, key
-                )
+        with self._cond:
+            jobs = list(self._jobs)
+        placed: list[tuple[_PrefillJob, _Sample, int]] = []
+        for job in jobs:
+            for sample in itertools.islice(job.samples, len(free) - len(placed)):
+                placed.append((job, sample, free[len(placed)]))
+            if len(placed) == len(free):
+                break
+        if not placed:
+            return
+        self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None])
+        by_prefix: dict[int, list[tuple[_PrefillJob, _Sample, int]]] = collections.defaultdict(list)
+        for entry in placed:
+            by_prefix[id(entry[0].prefix[0])].append(entry)
+        for entries in by_prefix.values():
+            batch = entries[0][0].prefix[0]
+            self._decode_state = self.engine.insert_batch(
+                batch,
+                self._decode_state,
+                [job.prefix[1] for job, _, _ in entries],
+                [slot for _, _, slot in entries],
+                [sample.request.sampling for _, sample, _ in entries],
+                [jax.random.fold_in(sample.key, len(sample.output_ids)) for _, sample, _ in entries],
+            )
+            for job, sample, slot in entries:
+                job.samples.remove(sample)
                 sample.slot = slot
                 sample.pending_version = job.prefix_version
                 self._slots[slot] = sample
-            if not job.samples:
-                with self._cond:
-                    self._jobs.popleft()
+        with self._cond:
+            self._jobs = collections.deque(job for job in self._jobs if job.samples)
+
+    def _prefill_jobs(self, jobs: list[_PrefillJob]) -> None:
+        """Prefill `jobs` in batches of one length bucket; each job keeps (its batch, its row)."""
+        by_bucket: dict[int, list[_PrefillJob]] = collections.defaultdict(list)
+        for job in jobs:
+            by_bucket[bucket_for(len(job.tokens), self.engine.buckets)].append(job)
+        limit = self.engine.prefill_rows[-1]
+        for group in by_bucket.values():
+            for start in range(0, len(group), limit):
+                chunk = group[start : start + limit]
+                batch = self.engine.prefill_batch(self.params, [job.tokens for job in chunk])
+                for row, job in enumerate(chunk):
+                    job.prefix = (batch, row)
+                    job.prefix_version = self.params.version
+                self.stats.prefills += len(chunk)
+                self.stats.prefill_calls += 1
 
     def _step(self) -> None:
         max_position = max(len(s.request.prompt_ids) + len(s.output_ids) for s in self._slots if s is not None)
