@@ -50,8 +50,9 @@ def test_controller_respects_staleness_and_hands_over_groups():
     with generator, workflow:
         controller = RolloutController(generator, workflow, tasks, staleness, sink).start()
         _wait(lambda: len(received) == 4)  # (eta + v + 1) * B = 4 groups at version 0
+        _wait(lambda: staleness.snapshot().running == 0)
         time.sleep(0.3)
-        assert len(received) == 4 and staleness.snapshot().running == 0
+        assert len(received) == 4 and staleness.snapshot().capacity == 0
         staleness.set_version(1)
         _wait(lambda: len(received) == 6)
         controller.stop()

@@ -110,14 +110,22 @@ class RolloutController:
         accepted = False
         try:
             trajectories = await self.workflow.run(self.generator, task, group_id)
-            await asyncio.to_thread(self.sink, trajectories)
+            handoff = asyncio.ensure_future(asyncio.to_thread(self.sink, trajectories))
+            try:
+                await asyncio.shield(handoff)
+            except asyncio.CancelledError:
+                # a hand-over that started always completes and is counted, or the bound would drift
+                await asyncio.wait([handoff])
+                accepted = handoff.exception() is None
+                raise
             accepted = True
-            self.stats.accepted += 1
-            self.stats.trajectories += len(trajectories)
         except asyncio.CancelledError:
             raise
         except Exception:
             self.stats.failed += 1
             logger.exception("workflow failed for task %s (group %d)", getattr(task, "id", task), group_id)
         finally:
+            if accepted:
+                self.stats.accepted += 1
+                self.stats.trajectories += len(trajectories)
             self.staleness.finish(accepted=accepted)
