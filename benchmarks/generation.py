@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from common import measure_matmul_peak
 from flax import nnx
 
 from areal_jax.inference.engine import Engine, EngineConfig
@@ -90,20 +91,6 @@ def continuous_vs_static(quick: bool) -> float:
     return ratio
 
 
-def matmul_peak() -> float:
-    a = jax.numpy.asarray(np.random.default_rng(0).standard_normal((1024, 1024)), np.float32) / 32
-    chain = jax.jit(lambda x: x @ a @ a @ a @ a)
-    chain(a).block_until_ready()
-    best = min(_timed(lambda: chain(a).block_until_ready()) for _ in range(5))
-    return 4 * 2 * 1024**3 / best
-
-
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
 def engine_vs_hf(quick: bool) -> float:
     import torch
     import transformers
@@ -144,7 +131,7 @@ def engine_vs_hf(quick: bool) -> float:
         hf_seconds = time.perf_counter() - started
     hf_tps = (out.shape[1] - prompt_len) * sequences / hf_seconds
 
-    peak = matmul_peak()
+    peak = measure_matmul_peak()
     context = prompt_len + new_tokens / 2
     engine_flops = cfg.matmul_flops_per_token(int(2 * context)) * sequences * new_tokens / engine_seconds
     print(f"model_parameters: {cfg.num_params() / 1e6:.2f} M")

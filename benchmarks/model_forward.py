@@ -12,42 +12,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import MODEL_100M, measure_matmul_peak
 from flax import nnx
 
-from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-
-MODEL_100M = ModelConfig(
-    family="qwen2",
-    vocab_size=32768,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_layers=12,
-    num_heads=12,
-    num_kv_heads=4,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
-    logprob_chunk=512,
-)
-
-
-def measure_matmul_peak(size: int, repeats: int, dtype: jnp.dtype) -> float:
-    """Best observed FLOP/s of a square matmul chain, compiled once."""
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype) / size**0.5
-
-    @jax.jit
-    def chain(x: jax.Array) -> jax.Array:
-        for _ in range(4):
-            x = x @ a
-        return x
-
-    chain(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        chain(a).block_until_ready()
-        best = min(best, time.perf_counter() - started)
-    return 4 * 2 * size**3 / best
 
 
 def packed_batch(rows: int, length: int, vocab: int, seed: int) -> tuple[jax.Array, ...]:

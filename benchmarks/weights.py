@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from common import MODEL_100M
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
@@ -40,17 +41,6 @@ from areal_jax.weights import (
     OrbaxWeightSubscriber,
     abstract_target,
     tree_nbytes,
-)
-
-MODEL_100M = ModelConfig(
-    family="qwen2",
-    vocab_size=32768,
-    hidden_size=768,
-    intermediate_size=2048,
-    num_layers=12,
-    num_heads=12,
-    num_kv_heads=4,
-    tie_word_embeddings=True,
 )
 
 

@@ -8,17 +8,9 @@ from flax import nnx
 from areal_jax.inference.static_batch import StaticBatchGenerator, bucket_length
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
+from tests.engine_fixtures import greedy_reference
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, initializer_range=0.3)
-
-
-def _greedy_reference(model, prompt, steps):
-    seq = list(prompt)
-    for _ in range(steps):
-        n = len(seq)
-        logits = model.logits(jnp.asarray([seq]), jnp.ones((1, n), jnp.int32), jnp.arange(n)[None])
-        seq.append(int(jnp.argmax(logits[0, -1])))
-    return seq[len(prompt) :]
 
 
 def test_greedy_with_cache_equals_full_forward_argmax():
@@ -27,7 +19,7 @@ def test_greedy_with_cache_equals_full_forward_argmax():
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
     completions = generator.generate(prompts, max_new_tokens=6, temperature=0.0, key=jax.random.key(0))
     for prompt, completion in zip(prompts, completions, strict=True):
-        expected = _greedy_reference(model, prompt, 6)
+        expected = greedy_reference(model, prompt, 6)
         if 39 in expected:
             expected = expected[: expected.index(39) + 1]
         assert list(completion.output_ids) == expected
