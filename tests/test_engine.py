@@ -98,7 +98,10 @@ def test_batched_prefill_and_insert_equal_one_at_a_time():
         np.testing.assert_allclose(batch.logits[row], single.logits, atol=1e-5)
     sampling = SamplingParams(temperature=0.7, seed=0)
     keys = [jax.random.key(i) for i in range(4)]
-    batched = engine.insert_batch(batch, engine.init_decode_state(), [0, 1, 1, 2], [5, 0, 3, 2], [sampling] * 4, keys)
+    key_data = np.stack([np.asarray(jax.random.key_data(k)) for k in keys])
+    batched = engine.insert_batch(
+        batch, engine.init_decode_state(), [0, 1, 1, 2], [5, 0, 3, 2], [sampling] * 4, key_data
+    )
     one_by_one = engine.init_decode_state()
     for row, slot, key in zip([0, 1, 1, 2], [5, 0, 3, 2], keys, strict=True):
         padded, n = engine.pad_tokens(prompts[row])

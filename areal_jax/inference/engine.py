@@ -234,18 +234,19 @@ class Engine:
         rows: Sequence[int],
         slots: Sequence[int],
         samplings: Sequence[SamplingParams],
-        keys: Sequence[jax.Array],
+        key_data: np.ndarray,
     ) -> DecodeState:
         """Insert row `rows[i]` of `prefixes` into slot `slots[i]` (a row may go to several slots: the n
-        samples of a prompt), sampling each slot's first token with `samplings[i]` and `keys[i]`."""
+        samples of a prompt), sampling each slot's first token with `samplings[i]` and the PRNG key whose
+        raw uint32 words are `key_data[i]` (host data, so no eager device op runs per request)."""
         n = len(slots)
-        if not 0 < n <= self.config.max_slots or not len(rows) == len(samplings) == len(keys) == n:
+        if not 0 < n <= self.config.max_slots or not len(rows) == len(samplings) == len(key_data) == n:
             raise ValueError(f"insert_batch needs 1..{self.config.max_slots} equally long rows/slots/samplings/keys")
         width = bucket_for(n, self.insert_rows)
         pad = width - n
         slot_R = np.array([*slots, *[self.config.max_slots] * pad], np.int32)  # padding rows are dropped
         row_R = np.array([*rows, *[0] * pad], np.int32)
-        key_data = jnp.stack([jax.random.key_data(k) for k in keys] + [jnp.zeros(2, jnp.uint32)] * pad)
+        key_data = np.concatenate([np.asarray(key_data, np.uint32).reshape(n, 2), np.zeros((pad, 2), np.uint32)])
         temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
         top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
         top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
@@ -275,7 +276,7 @@ class Engine:
                 batch = self.prefill_batch(params, [[1] * length] * rows)
             for rows in self.insert_rows:
                 decode_state = self.insert_batch(
-                    batch, decode_state, [0] * rows, list(range(rows)), [sampling] * rows, [key] * rows
+                    batch, decode_state, [0] * rows, list(range(rows)), [sampling] * rows, np.zeros((rows, 2))
                 )
             decode_state, result = self.generate(params, decode_state, max_position=length)
         jax.block_until_ready(result)

@@ -39,6 +39,22 @@ logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
 
 
+def _mix(*values: int) -> int:
+    """SplitMix64 over `values`: a well-spread 64-bit integer for seeding, computed on the host."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 31
+    return state
+
+
+def _key_words(seed: int, sample_index: int, position: int) -> tuple[int, int]:
+    """The two uint32 words of the PRNG key a sample uses when (re-)inserted after `position` tokens."""
+    mixed = _mix(seed, sample_index, position)
+    return mixed >> 32, mixed & 0xFFFFFFFF
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """One finished sample."""
@@ -70,7 +86,7 @@ class _Request:
 class _Sample:
     request: _Request
     index: int
-    key: jax.Array
+    seed_words: tuple[int, int]  # (request seed, sample index): the sample's PRNG stream
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -126,7 +142,7 @@ class Generator:
         self.detokenize = detokenize
         self.admission = admission
         self.stats = GeneratorStats()
-        self._seed_key = jax.random.key(seed)
+        self._seed = seed
         self._ids = itertools.count()
         self._cond = threading.Condition()
         self._jobs: collections.deque[_PrefillJob] = collections.deque()
@@ -155,12 +171,8 @@ class Generator:
         request_id = request_id or f"req-{next(self._ids)}"
         future: concurrent.futures.Future = concurrent.futures.Future()
         request = _Request(request_id, prompt, sampling, n, future, time.perf_counter())
-        base = (
-            jax.random.key(sampling.seed)
-            if sampling.seed is not None
-            else jax.random.fold_in(self._seed_key, next(self._ids))
-        )
-        request.samples = [_Sample(request, i, jax.random.fold_in(base, i)) for i in range(n)]
+        request_seed = sampling.seed if sampling.seed is not None else _mix(self._seed, next(self._ids))
+        request.samples = [_Sample(request, i, (request_seed, i)) for i in range(n)]
         with self._cond:
             self._check_open()
             if request_id in self._requests:
@@ -344,7 +356,7 @@ class Generator:
                 [job.prefix[1] for job, _, _ in entries],
                 [slot for _, _, slot in entries],
                 [sample.request.sampling for _, sample, _ in entries],
-                [jax.random.fold_in(sample.key, len(sample.output_ids)) for _, sample, _ in entries],
+                np.array([_key_words(*sample.seed_words, len(sample.output_ids)) for _, sample, _ in entries]),
             )
             for job, sample, slot in entries:
                 job.samples.remove(sample)
