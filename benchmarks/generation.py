@@ -44,10 +44,10 @@ QWEN2_3M = ModelConfig(
 )
 
 
-def long_tailed_lengths(count: int, cap: int, seed: int) -> list[int]:
-    """Output lengths with a heavy tail: most short, a few near `cap`."""
+def long_tailed_lengths(count: int, cap: int, seed: int, mean_log: float = 2.2) -> list[int]:
+    """Output lengths with a heavy tail (4 + lognormal(mean_log, 1)): most short, a few near `cap`."""
     rng = np.random.default_rng(seed)
-    return np.clip(np.round(4 + rng.lognormal(mean=2.2, sigma=1.0, size=count)), 4, cap).astype(int).tolist()
+    return np.clip(np.round(4 + rng.lognormal(mean=mean_log, sigma=1.0, size=count)), 4, cap).astype(int).tolist()
 
 
 def run_requests(gen: Generator, prompts: list[list[int]], lengths: list[int], temperature: float) -> float:
@@ -92,16 +92,11 @@ def continuous_vs_static(quick: bool) -> float:
 
 
 def engine_vs_hf(quick: bool) -> float:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
     sequences, new_tokens = 64, 64
-    with tempfile.TemporaryDirectory() as tmp:
-        save_hf_checkpoint(QWEN2_3M, Decoder(QWEN2_3M, nnx.Rngs(0)), Path(tmp) / "ckpt")
-        cfg, model = load_hf_checkpoint(Path(tmp) / "ckpt")
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "ckpt", dtype=torch.float32)
-    hf_model.eval()
+    tmp = tempfile.TemporaryDirectory()
+    checkpoint = Path(tmp.name) / "ckpt"
+    save_hf_checkpoint(QWEN2_3M, Decoder(QWEN2_3M, nnx.Rngs(0)), checkpoint)
+    cfg, model = load_hf_checkpoint(checkpoint)
     prompt_len = 16
     prompts = prompts_for(sequences, cfg.vocab_size, seed=3, low=prompt_len, high=prompt_len + 1)
 
@@ -113,6 +108,14 @@ def engine_vs_hf(quick: bool) -> float:
         engine_tps = run_requests(gen, prompts, [new_tokens] * sequences, 1.0)
         engine_seconds = time.perf_counter() - started
 
+    # torch is imported only now: its OpenMP worker threads would otherwise compete with XLA's above
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    hf_model.eval()
+    tmp.cleanup()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     input_ids = torch.tensor(prompts)
     hf_kwargs = dict(
@@ -145,13 +148,16 @@ def engine_vs_hf(quick: bool) -> float:
 
 
 def interruptible_vs_not(quick: bool) -> float:
+    """Weight updates every `every` decode steps while long-tailed generations run; without interruption
+    an update waits until every in-flight sample has finished (slots idle meanwhile), with interruption
+    the in-flight samples are re-prefilled under the new weights (one batched prefill per length bucket)."""
     model = Decoder(QWEN2_3M, nnx.Rngs(0))
     new_state = nnx.state(Decoder(QWEN2_3M, nnx.Rngs(1)))
-    slots, count, cap, every = (8, 48, 96, 16) if quick else (16, 160, 192, 24)
+    slots, count, cap, every = (16, 64, 200, 24) if quick else (32, 256, 200, 32)
     engine = Engine(model, EngineConfig(max_slots=slots, max_length=256))
     params = engine.load_params(nnx.state(model), 0)
     prompts = prompts_for(count, QWEN2_3M.vocab_size, seed=4)
-    lengths = long_tailed_lengths(count, cap, seed=5)
+    lengths = long_tailed_lengths(count, cap, seed=5, mean_log=3.0)
     warm(engine, params)
     results = {}
     for interrupt in (False, True):
@@ -177,6 +183,7 @@ def interruptible_vs_not(quick: bool) -> float:
             print(f"{name}_throughput: {results[interrupt]:.1f} tokens/s")
             print(f"{name}_updates: {updates[0]} updates")
             print(f"{name}_reprefills: {gen.stats.interruptions} samples")
+            print(f"{name}_slot_utilisation: {gen.stats.busy_slot_steps / (gen.stats.decode_steps * slots):.2f}")
     ratio = results[True] / results[False]
     print(f"ratio interruptible_vs_not: {ratio:.2f}")
     return ratio
