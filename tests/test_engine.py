@@ -99,11 +99,11 @@ def test_batched_prefill_and_insert_equal_one_at_a_time():
     sampling = SamplingParams(temperature=0.7, seed=0)
     keys = [jax.random.key(i) for i in range(4)]
     key_data = np.stack([np.asarray(jax.random.key_data(k)) for k in keys])
-    batched = engine.insert_batch(
-        batch, engine.init_decode_state(), [0, 1, 1, 2], [5, 0, 3, 2], [sampling] * 4, key_data
-    )
+    # rows 0, 1, 2 -> slots 5, 0, 2 in one call; row 1's second sample -> slot 3 in a second call
+    batched = engine.insert_batch(batch, engine.init_decode_state(), [5, 0, 2], [sampling] * 3, key_data[[0, 1, 3]])
+    batched = engine.insert_batch(batch, batched, [None, 3], [sampling] * 2, key_data[[0, 2]])
     one_by_one = engine.init_decode_state()
-    for row, slot, key in zip([0, 1, 1, 2], [5, 0, 3, 2], keys, strict=True):
+    for row, slot, key in zip([0, 1, 1, 2], [5, 0, 3, 2], [keys[0], keys[1], keys[2], keys[3]], strict=True):
         padded, n = engine.pad_tokens(prompts[row])
         one_by_one = engine.insert(engine.prefill(params, padded, n), one_by_one, slot, sampling, key)
     for field in ("positions", "tokens", "keys"):

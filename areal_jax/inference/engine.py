@@ -136,7 +136,6 @@ class Engine:
         self.buckets = config.prefill_buckets()
         self._decode_shardings = self._make_decode_shardings()
         self.prefill_rows = config.row_buckets(min(config.max_prefill_batch, config.max_slots))
-        self.insert_rows = config.row_buckets(config.max_slots)
         self._prefill = jax.jit(self._prefill_impl)
         self._prefill_batch = jax.jit(self._prefill_batch_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
@@ -231,26 +230,26 @@ class Engine:
         self,
         prefixes: PrefixBatch,
         decode_state: DecodeState,
-        rows: Sequence[int],
-        slots: Sequence[int],
+        slots: Sequence[int | None],
         samplings: Sequence[SamplingParams],
         key_data: np.ndarray,
     ) -> DecodeState:
-        """Insert row `rows[i]` of `prefixes` into slot `slots[i]` (a row may go to several slots: the n
-        samples of a prompt), sampling each slot's first token with `samplings[i]` and the PRNG key whose
-        raw uint32 words are `key_data[i]` (host data, so no eager device op runs per request)."""
+        """Insert row i of `prefixes` into slot `slots[i]` (None: leave row i out), sampling the slot's first
+        token with `samplings[i]` and the PRNG key whose raw uint32 words are `key_data[i]` (host data, so no
+        eager device op runs per request). The program depends only on the prefix batch's shape; the n
+        samples of one prompt are n calls with the same `prefixes`."""
+        rows = prefixes.logits.shape[0]
         n = len(slots)
-        if not 0 < n <= self.config.max_slots or not len(rows) == len(samplings) == len(key_data) == n:
-            raise ValueError(f"insert_batch needs 1..{self.config.max_slots} equally long rows/slots/samplings/keys")
-        width = bucket_for(n, self.insert_rows)
-        pad = width - n
-        slot_R = np.array([*slots, *[self.config.max_slots] * pad], np.int32)  # padding rows are dropped
-        row_R = np.array([*rows, *[0] * pad], np.int32)
+        if not 0 < n <= rows or not len(samplings) == len(key_data) == n:
+            raise ValueError(f"insert_batch takes 1..{rows} equally long slots/samplings/key_data, got {n}")
+        pad = rows - n
+        dropped = self.config.max_slots  # an out-of-range slot: the scatter drops that row
+        slot_B = np.array([dropped if slot is None else slot for slot in slots] + [dropped] * pad, np.int32)
         key_data = np.concatenate([np.asarray(key_data, np.uint32).reshape(n, 2), np.zeros((pad, 2), np.uint32)])
         temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
         top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
         top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
-        return self._insert_batch(prefixes, decode_state, row_R, slot_R, key_data, temperature, top_k, top_p)
+        return self._insert_batch(prefixes, decode_state, slot_B, key_data, temperature, top_k, top_p)
 
     def generate(
         self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
@@ -263,8 +262,8 @@ class Engine:
         return self._generate(params.state, decode_state, attend_length)
 
     def warmup(self, params: VersionedParams) -> None:
-        """Compile every program a request can need (each prefill and insert row bucket at each length
-        bucket, and generate at each cache-prefix bucket), so no request pays a compilation later."""
+        """Compile every program a request can need (prefill and insert at each row bucket and length
+        bucket, generate at each cache-prefix bucket), so no request pays a compilation later."""
         decode_state = self.init_decode_state()
         key = jax.random.key(0)
         sampling = SamplingParams()
@@ -274,10 +273,7 @@ class Engine:
             decode_state = self.insert(prefix, decode_state, 0, sampling, key)
             for rows in self.prefill_rows:
                 batch = self.prefill_batch(params, [[1] * length] * rows)
-            for rows in self.insert_rows:
-                decode_state = self.insert_batch(
-                    batch, decode_state, [0] * rows, list(range(rows)), [sampling] * rows, np.zeros((rows, 2))
-                )
+                decode_state = self.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
             decode_state, result = self.generate(params, decode_state, max_position=length)
         jax.block_until_ready(result)
 
@@ -331,45 +327,41 @@ class Engine:
         top_p: jax.Array,
     ) -> DecodeState:
         batch = PrefixBatch(cache=prefix.cache, logits=prefix.logits[None], lengths=prefix.length[None])
-        zero = jnp.zeros((1,), jnp.int32)
         return self._insert_batch_impl(
-            batch, ds, zero, slot[None], key_data[None], temperature[None], top_k[None], top_p[None]
+            batch, ds, slot[None], key_data[None], temperature[None], top_k[None], top_p[None]
         )
 
     def _insert_batch_impl(
         self,
         batch: PrefixBatch,
         ds: DecodeState,
-        rows_R: jax.Array,
-        slots_R: jax.Array,
-        key_data_Rx2: jax.Array,
-        temperature_R: jax.Array,
-        top_k_R: jax.Array,
-        top_p_R: jax.Array,
+        slots_B: jax.Array,
+        key_data_Bx2: jax.Array,
+        temperature_B: jax.Array,
+        top_k_B: jax.Array,
+        top_p_B: jax.Array,
     ) -> DecodeState:
-        """Scatter prefix rows into slots (out-of-range slots, the padding, are dropped) and sample each
+        """Scatter prefix row b into slot slots_B[b] (out-of-range slots are dropped) and sample each
         slot's first token from its prefix logits."""
         tb = batch.cache.k.shape[2]
-        k_YxRxTxKxH = batch.cache.k[:, rows_R].astype(ds.cache.k.dtype)
-        v_YxRxTxKxH = batch.cache.v[:, rows_R].astype(ds.cache.v.dtype)
-        split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(key_data_Rx2)
-        tokens_R, logprobs_R = sample_slots(batch.logits[rows_R], split[:, 1], temperature_R, top_k_R, top_p_R)
+        split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(key_data_Bx2)
+        tokens_B, logprobs_B = sample_slots(batch.logits, split[:, 1], temperature_B, top_k_B, top_p_B)
 
         def put(target: jax.Array, values: jax.Array) -> jax.Array:
-            return target.at[slots_R].set(values, mode="drop")
+            return target.at[slots_B].set(values, mode="drop")
 
         return DecodeState(
             cache=KVCache(
-                k=ds.cache.k.at[:, slots_R, :tb].set(k_YxRxTxKxH, mode="drop"),
-                v=ds.cache.v.at[:, slots_R, :tb].set(v_YxRxTxKxH, mode="drop"),
+                k=ds.cache.k.at[:, slots_B, :tb].set(batch.cache.k.astype(ds.cache.k.dtype), mode="drop"),
+                v=ds.cache.v.at[:, slots_B, :tb].set(batch.cache.v.astype(ds.cache.v.dtype), mode="drop"),
             ),
-            positions=put(ds.positions, batch.lengths[rows_R]),
-            tokens=put(ds.tokens, tokens_R),
-            logprobs=put(ds.logprobs, logprobs_R),
+            positions=put(ds.positions, batch.lengths),
+            tokens=put(ds.tokens, tokens_B),
+            logprobs=put(ds.logprobs, logprobs_B),
             keys=put(ds.keys, jax.vmap(jax.random.key_data)(split[:, 0])),
-            temperature=put(ds.temperature, temperature_R),
-            top_k=put(ds.top_k, top_k_R),
-            top_p=put(ds.top_p, top_p_R),
+            temperature=put(ds.temperature, temperature_B),
+            top_k=put(ds.top_k, top_k_B),
+            top_p=put(ds.top_p, top_p_B),
         )
 
     def _generate_impl(

@@ -350,14 +350,21 @@ class Generator:
             by_prefix[id(entry[0].prefix[0])].append(entry)
         for entries in by_prefix.values():
             batch = entries[0][0].prefix[0]
-            self._decode_state = self.engine.insert_batch(
-                batch,
-                self._decode_state,
-                [job.prefix[1] for job, _, _ in entries],
-                [slot for _, _, slot in entries],
-                [sample.request.sampling for _, sample, _ in entries],
-                np.array([_key_words(*sample.seed_words, len(sample.output_ids)) for _, sample, _ in entries]),
-            )
+            # round r inserts the r-th sample of every prompt in the batch: one call per round
+            per_row: dict[int, list[tuple[_PrefillJob, _Sample, int]]] = collections.defaultdict(list)
+            for entry in entries:
+                per_row[entry[0].prefix[1]].append(entry)
+            for round_index in range(max(len(v) for v in per_row.values())):
+                chosen = {row: items[round_index] for row, items in per_row.items() if round_index < len(items)}
+                used_rows = max(chosen) + 1
+                slots: list[int | None] = [None] * used_rows
+                samplings = [SamplingParams()] * used_rows
+                key_data = np.zeros((used_rows, 2), np.uint32)
+                for row, (_, sample, slot) in chosen.items():
+                    slots[row] = slot
+                    samplings[row] = sample.request.sampling
+                    key_data[row] = _key_words(*sample.seed_words, len(sample.output_ids))
+                self._decode_state = self.engine.insert_batch(batch, self._decode_state, slots, samplings, key_data)
             for job, sample, slot in entries:
                 job.samples.remove(sample)
                 sample.slot = slot
