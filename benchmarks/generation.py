@@ -147,10 +147,23 @@ def engine_vs_hf(quick: bool) -> float:
     return ratio
 
 
+def decode_step_seconds(engine: Engine, params, steps: int = 20) -> float:
+    """Median wall time of one decode step over all slots (for a trainer-like update period)."""
+    state = engine.init_decode_state()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        state, result = engine.generate(params, state, max_position=engine.config.max_length // 2)
+        jax.block_until_ready(result)
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
 def interruptible_vs_not(quick: bool) -> float:
-    """Weight updates every `every` decode steps while long-tailed generations run; without interruption
-    an update waits until every in-flight sample has finished (slots idle meanwhile), with interruption
-    the in-flight samples are re-prefilled under the new weights (one batched prefill per length bucket)."""
+    """A trainer stand-in publishes a new version every `period` seconds (the time of `every` decode
+    steps) while long-tailed generations run, the same schedule for both modes. Without interruption an
+    update waits until every in-flight sample has finished (admission stops, slots idle meanwhile); with
+    interruption in-flight samples are re-prefilled under the new weights (batched per length bucket)."""
     model = Decoder(QWEN2_3M, nnx.Rngs(0))
     new_state = nnx.state(Decoder(QWEN2_3M, nnx.Rngs(1)))
     slots, count, cap, every = (16, 64, 200, 24) if quick else (32, 256, 200, 32)
@@ -159,29 +172,27 @@ def interruptible_vs_not(quick: bool) -> float:
     prompts = prompts_for(count, QWEN2_3M.vocab_size, seed=4)
     lengths = long_tailed_lengths(count, cap, seed=5, mean_log=3.0)
     warm(engine, params)
+    period = every * decode_step_seconds(engine, params)
+    print(f"update_period: {period:.3f} s")
     results = {}
     for interrupt in (False, True):
         with Generator(engine, params) as gen:
             stop = threading.Event()
-            updates = [0]
+            published = [0]
 
-            def publisher(gen=gen, stop=stop, updates=updates, interrupt=interrupt) -> None:
-                next_at = every
-                while not stop.is_set():
-                    if gen.stats.decode_steps >= next_at:
-                        updates[0] += 1
-                        gen.update_params(new_state, updates[0], interrupt=interrupt).result()
-                        next_at = gen.stats.decode_steps + every
-                    time.sleep(0.0005)
+            def trainer(gen=gen, stop=stop, published=published, interrupt=interrupt) -> None:
+                while not stop.wait(period):  # a steady trainer: it never waits for the rollout side
+                    published[0] += 1
+                    gen.update_params(new_state, published[0], interrupt=interrupt)
 
-            thread = threading.Thread(target=publisher, daemon=True)
+            thread = threading.Thread(target=trainer, daemon=True)
             thread.start()
             results[interrupt] = run_requests(gen, prompts, lengths, 1.0)
             stop.set()
             thread.join()
             name = "interruptible" if interrupt else "non_interruptible"
             print(f"{name}_throughput: {results[interrupt]:.1f} tokens/s")
-            print(f"{name}_updates: {updates[0]} updates")
+            print(f"{name}_updates_published_applied: {published[0]} / {gen.stats.updates} updates")
             print(f"{name}_reprefills: {gen.stats.interruptions} samples")
             print(f"{name}_slot_utilisation: {gen.stats.busy_slot_steps / (gen.stats.decode_steps * slots):.2f}")
     ratio = results[True] / results[False]
