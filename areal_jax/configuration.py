@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -79,13 +80,31 @@ def _check_range(name: str, value: Any, meta: Mapping[str, Any]) -> None:
         raise ConfigError(name, f"value {value!r} is out of range; allowed: {_allowed_range(meta)}")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_choice(tp: Any) -> bool:
+    """A `Literal[...]` field, or an optional one."""
+    if typing.get_origin(tp) is Literal:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(typing.get_origin(a) is Literal for a in typing.get_args(tp))
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Base of every configuration section: range checks on construction plus a cross-field hook."""
 
     def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
-            _check_range(f.name, getattr(self, f.name), f.metadata)
+            value = getattr(self, f.name)
+            _check_range(f.name, value, f.metadata)
+            if _is_choice(hints[f.name]):
+                _coerce(f.name, value, hints[f.name])  # refuses a value outside the Literal, also in code
         self.validate()
 
     def validate(self) -> None:

@@ -90,3 +90,10 @@ def test_required_fields_and_describe():
     lines = describe(ExperimentConfig)
     assert any(line.startswith("model.num_layers (int, default 2, >= 1): decoder layers") for line in lines)
     assert load(ExperimentConfig) == ExperimentConfig()
+
+
+def test_choices_are_checked_on_direct_construction_too():
+    from areal_jax.models.config import ModelConfig
+
+    with pytest.raises(ConfigError, match=r"family: got 'mistral'; allowed: 'qwen2', 'qwen3', 'llama'"):
+        ModelConfig(family="mistral")

@@ -43,7 +43,6 @@ from areal_jax.rollout.environments import Environment, EnvStep, Message, Reward
 
 R = TypeVar("R")
 Truncation = Literal["mask", "penalize", "keep"]
-TRUNCATION_MODES: tuple[Truncation, ...] = ("mask", "penalize", "keep")
 
 _USER_MARK = "@@areal-user@@"
 _MODEL_MARK = "@@areal-model@@"
@@ -65,9 +64,6 @@ class WorkflowConfig(Config):
     reward_workers: int = option(4, ge=1, le=1024, doc="threads of the reward executor made when none is given")
 
     def validate(self) -> None:
-        if self.truncation not in TRUNCATION_MODES:
-            allowed = ", ".join(repr(m) for m in TRUNCATION_MODES)
-            raise ConfigError("truncation", f"got {self.truncation!r}; allowed: {allowed}")
         if not math.isfinite(self.truncation_penalty):
             raise ConfigError("truncation_penalty", f"value {self.truncation_penalty!r} is not a finite number")
 
