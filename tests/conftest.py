@@ -8,3 +8,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (`with CompileCounter() as compiles: ...; compiles.count`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _listener(self, event: str, seconds: float, **_: object) -> None:
+        if event == COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -3,12 +3,14 @@ bucketed compilation and sharded equivalence."""
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.sharding import MeshConfig, make_mesh
+from tests.conftest import CompileCounter
 from tests.engine_fixtures import greedy_reference, scoring_logprobs, tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -72,17 +74,32 @@ def test_sharded_generation_equals_single_device():
     assert outputs["sharded"] == outputs["single"]
 
 
-def test_warmup_compiles_every_bucket_once():
+@pytest.mark.parametrize("committed", [False, True], ids=["fresh-params", "committed-params"])
+def test_after_warmup_a_generator_never_compiles(committed):
+    """Warm-up compiles every program a request can reach; a generator run afterwards (fresh decode state,
+    params either fresh or already committed to a device, as a checkpoint load leaves them) compiles none."""
     model = tiny_model()
-    engine = Engine(model, EngineConfig(max_slots=2, max_length=64))
-    params = engine.load_params(nnx.state(model), 0)
+    engine = Engine(model, EngineConfig(max_slots=4, max_length=64, max_prefill_batch=4))
+    state = nnx.state(model)
+    if committed:
+        state = jax.device_put(state, jax.devices()[0])
+    params = engine.load_params(state, 0)
     engine.warmup(params)
-    counts = (engine._prefill._cache_size(), engine._insert._cache_size(), engine._generate._cache_size())
-    assert counts == (len(engine.buckets),) * 3
-    with Generator(engine, params) as gen:
-        for n in (1, 17, 40):
-            gen.submit(list(range(1, n + 1)), SamplingParams(max_new_tokens=60, seed=n)).result(timeout=120)
-    assert (engine._prefill._cache_size(), engine._insert._cache_size(), engine._generate._cache_size()) == counts
+    programs = (engine._prefill, engine._prefill_batch, engine._insert, engine._insert_batch, engine._generate)
+    counts = [program._cache_size() for program in programs]
+    assert counts[0] == counts[2] == counts[4] == len(engine.buckets)
+    assert counts[1] == counts[3] == len(engine.buckets) * len(engine.prefill_rows)
+    with CompileCounter() as compiles:
+        for _ in range(2):
+            with Generator(engine, params) as gen:
+                futures = [
+                    gen.submit(list(range(1, n + 1)), SamplingParams(max_new_tokens=60, seed=n), n=2)
+                    for n in (1, 17, 40, 5, 9)
+                ]
+                for future in futures:
+                    future.result(timeout=120)
+    assert compiles.count == 0
+    assert [program._cache_size() for program in programs] == counts
 
 
 def test_batched_prefill_and_insert_equal_one_at_a_time():

@@ -89,9 +89,10 @@ def test_many_concurrent_requests_each_answered_once_with_bounded_compiles(model
                 assert stop_token not in result.output_ids
         assert gen.num_in_flight() == 0
         assert gen.stats.prefills == 200
+    programs_per_length = len(engine.prefill_rows)  # prefill and insert: one per (length, row) bucket
     assert engine._generate._cache_size() <= len(engine.buckets)
-    assert engine._prefill._cache_size() <= len(engine.buckets)
-    assert engine._insert._cache_size() <= len(engine.buckets)
+    assert engine._prefill_batch._cache_size() <= len(engine.buckets) * programs_per_length
+    assert engine._insert_batch._cache_size() <= len(engine.buckets) * programs_per_length
 
 
 def test_slots_refill_as_soon_as_one_finishes(models):

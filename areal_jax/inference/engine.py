@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.inference.sampling import SamplingParams, sample_slots
@@ -132,7 +132,12 @@ class Engine:
         self.config = config
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
-        self.param_shardings = state_shardings(state, mesh) if mesh is not None else None
+        # Without a mesh everything is committed to one device, so the arguments of every call carry the
+        # same shardings and a warmed-up program is never compiled again for a fresh decode state.
+        self.device = jax.devices()[0] if mesh is None else None
+        self.param_shardings = (
+            state_shardings(state, mesh) if mesh is not None else jax.tree.map(lambda _: self._single(), state)
+        )
         self.buckets = config.prefill_buckets()
         self._decode_shardings = self._make_decode_shardings()
         self.prefill_rows = config.row_buckets(min(config.max_prefill_batch, config.max_slots))
@@ -146,6 +151,7 @@ class Engine:
             donate_argnums=(1,),
             out_shardings=(self._decode_shardings, None),
         )
+        self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
 
     # -- JetStream Engine API ---------------------------------------------------------------------
 
@@ -163,26 +169,23 @@ class Engine:
 
     def load_params(self, state: nnx.State, version: int) -> VersionedParams:
         """Place weights on the engine's shardings (no host round trip when they are already on device)."""
-        if self.param_shardings is not None:
-            state = jax.device_put(state, self.param_shardings)
-        return VersionedParams(state=state, version=version)
+        return VersionedParams(state=jax.device_put(state, self.param_shardings), version=version)
 
     def init_decode_state(self) -> DecodeState:
+        return self._init_decode_state()
+
+    def _init_decode_state_impl(self) -> DecodeState:
         cfg, s = self.model_config, self.config.max_slots
-
-        def make() -> DecodeState:
-            return DecodeState(
-                cache=KVCache.zeros(cfg, s, self.config.max_length),
-                positions=jnp.zeros((s,), jnp.int32),
-                tokens=jnp.zeros((s,), jnp.int32),
-                logprobs=jnp.zeros((s,), jnp.float32),
-                keys=jnp.zeros((s, 2), jnp.uint32),
-                temperature=jnp.ones((s,), jnp.float32),
-                top_k=jnp.zeros((s,), jnp.int32),
-                top_p=jnp.ones((s,), jnp.float32),
-            )
-
-        return jax.jit(make, out_shardings=self._decode_shardings)()
+        return DecodeState(
+            cache=KVCache.zeros(cfg, s, self.config.max_length),
+            positions=jnp.zeros((s,), jnp.int32),
+            tokens=jnp.zeros((s,), jnp.int32),
+            logprobs=jnp.zeros((s,), jnp.float32),
+            keys=jnp.zeros((s, 2), jnp.uint32),
+            temperature=jnp.ones((s,), jnp.float32),
+            top_k=jnp.zeros((s,), jnp.int32),
+            top_p=jnp.ones((s,), jnp.float32),
+        )
 
     def pad_tokens(self, tokens: list[int] | np.ndarray) -> tuple[np.ndarray, int]:
         """Right-pad a prompt to its bucket: (padded [Tb] int32, true length)."""
@@ -279,9 +282,22 @@ class Engine:
 
     # -- compiled bodies -----------------------------------------------------------------------
 
-    def _make_decode_shardings(self) -> Any:
+    def _single(self) -> SingleDeviceSharding:
+        return SingleDeviceSharding(self.device)
+
+    def _make_decode_shardings(self) -> DecodeState:
         if self.mesh is None:
-            return None
+            one = self._single()
+            return DecodeState(
+                cache=KVCache(k=one, v=one),
+                positions=one,
+                tokens=one,
+                logprobs=one,
+                keys=one,
+                temperature=one,
+                top_k=one,
+                top_p=one,
+            )
         cache_spec = logical_to_spec(
             ("layers", "slots", "length", "kv_heads", "head_dim"),
             (
