@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import flax.struct
 import jax
