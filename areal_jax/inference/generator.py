@@ -344,7 +344,7 @@ class Generator:
                 break
         if not placed:
             return
-        self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None])
+        self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], jobs)
         by_prefix: dict[int, list[tuple[_PrefillJob, _Sample, int]]] = collections.defaultdict(list)
         for entry in placed:
             by_prefix[id(entry[0].prefix[0])].append(entry)
@@ -373,15 +373,26 @@ class Generator:
         with self._cond:
             self._jobs = collections.deque(job for job in self._jobs if job.samples)
 
-    def _prefill_jobs(self, jobs: list[_PrefillJob]) -> None:
-        """Prefill `jobs` in batches of one length bucket; each job keeps (its batch, its row)."""
+    def _prefill_jobs(self, jobs: list[_PrefillJob], queue: Sequence[_PrefillJob]) -> None:
+        """Prefill `jobs` in batches of one length bucket; each job keeps (its batch, its row). A call's
+        spare rows go to queued jobs of the same bucket that will need a prefix later (prefill-ahead): one
+        batched call costs little more than a single prompt, and their admission is then an insert."""
+        wanted = set(map(id, jobs))
         by_bucket: dict[int, list[_PrefillJob]] = collections.defaultdict(list)
+        ahead: dict[int, list[_PrefillJob]] = collections.defaultdict(list)
         for job in jobs:
             by_bucket[bucket_for(len(job.tokens), self.engine.buckets)].append(job)
-        limit = self.engine.prefill_rows[-1]
-        for group in by_bucket.values():
-            for start in range(0, len(group), limit):
-                chunk = group[start : start + limit]
+        for job in queue:
+            if job.prefix is None and id(job) not in wanted:
+                ahead[bucket_for(len(job.tokens), self.engine.buckets)].append(job)
+        rows = self.engine.prefill_rows
+        for bucket, group in by_bucket.items():
+            last = len(group) % rows[-1] or rows[-1]  # jobs in the last call; spare rows are filled up to
+            candidates = last + len(ahead[bucket])  # the largest row bucket the queue can fill
+            fill_to = max(bucket_for(last, rows), max(b for b in rows if b <= candidates))
+            group = group + ahead[bucket][: fill_to - last]
+            for start in range(0, len(group), rows[-1]):
+                chunk = group[start : start + rows[-1]]
                 batch = self.engine.prefill_batch(self.params, [job.tokens for job in chunk])
                 for row, job in enumerate(chunk):
                     job.prefix = (batch, row)
