@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.configuration import ConfigError
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
@@ -22,6 +23,16 @@ def test_engine_api_shape():
     assert engine.buckets == (8, 16, 32, 64)
     padded, n = engine.pad_tokens([5, 6, 7, 8, 9, 10, 11, 12, 13])
     assert n == 9 and padded.shape == (16,) and padded[9:].sum() == 0
+
+
+def test_row_buckets_follow_the_growth_factor():
+    assert EngineConfig(row_bucket_growth=2).row_buckets(16) == (1, 2, 4, 8, 16)
+    assert EngineConfig(row_bucket_growth=4).row_buckets(16) == (1, 4, 16)
+    assert EngineConfig(row_bucket_growth=4).row_buckets(8) == (1, 4, 8)
+    engine = Engine(tiny_model(), EngineConfig(max_slots=4, max_length=64, max_prefill_batch=16))
+    assert engine.prefill_rows == (1, 2, 4)  # a batched prefill never exceeds the slot count
+    with pytest.raises(ConfigError, match="row_bucket_growth"):
+        EngineConfig(row_bucket_growth=1)
 
 
 def test_greedy_with_cache_equals_full_forward_argmax():
@@ -84,7 +95,7 @@ def test_after_warmup_a_generator_never_compiles(committed):
     if committed:
         state = jax.device_put(state, jax.devices()[0])
     params = engine.load_params(state, 0)
-    engine.warmup(params)
+    engine.warmup(params, single_prompt_api=True)
     programs = (engine._prefill, engine._prefill_batch, engine._insert, engine._insert_batch, engine._generate)
     counts = [program._cache_size() for program in programs]
     assert counts[0] == counts[2] == counts[4] == len(engine.buckets)

@@ -64,6 +64,59 @@ def test_weight_update_mid_generation(models, interrupt):
             np.testing.assert_allclose(np.array(result.output_logprobs)[chosen], scored[chosen], atol=1e-5)
 
 
+def test_prefill_ahead_batches_queued_prompts_without_changing_results(models):
+    """Queued prompts of one length bucket ride along in a batched prefill before their slots free up:
+    fewer prefill calls, each prompt prefilled once, and the same tokens as one request at a time."""
+    model = models[0]
+    prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(8)]  # one length bucket
+    samplings = [SamplingParams(temperature=0.0, max_new_tokens=3 + i) for i in range(8)]
+    config = EngineConfig(max_slots=4, max_length=64)
+    params = Engine(model, config).load_params(nnx.state(model), 0)
+    with Generator(Engine(model, config), params) as gen:
+        alone = [gen.submit(p, s).result(timeout=120)[0].output_ids for p, s in zip(prompts, samplings, strict=True)]
+    with Generator(Engine(model, config), params) as gen:
+        gen.pause()
+        futures = [gen.submit(p, s) for p, s in zip(prompts, samplings, strict=True)]
+        gen.resume()
+        together = [f.result(timeout=120)[0].output_ids for f in futures]
+        assert gen.stats.prefills == len(prompts)  # each prompt prefilled exactly once
+        # the first 4 fill the slots; when the shortest finishes, the 5th is prefilled with 3 more ahead
+        assert gen.stats.prefill_calls == 2
+    assert together == alone
+
+
+@pytest.mark.parametrize("interrupt", [True, False])
+def test_prefixes_prefilled_ahead_are_dropped_when_weights_change(models, interrupt):
+    """A prompt prefilled ahead under version 0 but admitted after version 1 arrived is prefilled again:
+    every token it emits carries version 1 and the new params' log-probs."""
+    old, new = models
+    engine = Engine(old, EngineConfig(max_slots=2, max_length=96, max_prefill_batch=2))
+    lengths = {"a": 40, "x": 2, "b": 30, "c": 8}
+    prompts = {name: [2 + i, 7, 1, 8, 2] for i, name in enumerate(lengths)}
+    with Generator(engine, engine.load_params(nnx.state(old), 0)) as gen:
+        gen.pause()
+        futures = {
+            name: gen.submit(prompts[name], SamplingParams(temperature=TEMPERATURE, max_new_tokens=n, seed=i))
+            for i, (name, n) in enumerate(lengths.items())
+        }
+        gen.resume()
+        _wait_until(lambda: gen.stats.prefill_calls == 2)  # x finished: b admitted, c prefilled ahead (v0)
+        gen.pause()
+        assert gen.stats.prefills == 4 and not futures["b"].done()
+        applied = gen.update_params(nnx.state(new), 1, interrupt=interrupt)
+        gen.resume()
+        assert applied.result(timeout=60) == 1
+        results = {name: future.result(timeout=60)[0] for name, future in futures.items()}
+        # interrupted: a and b re-prefilled with c; draining: c alone once a and b are done
+        assert gen.stats.prefills == (7 if interrupt else 5)
+    c = results["c"]
+    assert set(c.output_versions) == {1}
+    np.testing.assert_allclose(
+        c.output_logprobs, scoring_logprobs(new, prompts["c"], list(c.output_ids), TEMPERATURE), atol=1e-5
+    )
+    assert set(results["a"].output_versions) == ({0, 1} if interrupt else {0})
+
+
 def test_many_concurrent_requests_each_answered_once_with_bounded_compiles(models):
     model = models[0]
     engine = Engine(model, EngineConfig(max_slots=8, max_length=64))

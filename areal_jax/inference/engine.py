@@ -43,6 +43,9 @@ class EngineConfig(Config):
     max_length: int = option(1024, ge=2, doc="cache length per slot: prompt + generated tokens at most")
     min_prefill_bucket: int = option(16, ge=1, doc="shortest prefill length bucket")
     max_prefill_batch: int = option(16, ge=1, doc="prompts prefilled together in one call at most")
+    row_bucket_growth: int = option(
+        2, ge=2, doc="batched prefill/insert rows are padded to powers of this (fewer programs vs less padding)"
+    )
 
     def validate(self) -> None:
         if self.min_prefill_bucket > self.max_length:
@@ -51,11 +54,12 @@ class EngineConfig(Config):
             )
 
     def row_buckets(self, cap: int) -> tuple[int, ...]:
-        """Batch sizes a batched prefill or insert is padded to: powers of 4 below `cap`, then `cap`."""
+        """Batch sizes a batched prefill or insert is padded to: powers of row_bucket_growth below `cap`,
+        then `cap`."""
         sizes, size = [], 1
         while size < cap:
             sizes.append(size)
-            size *= 4
+            size *= self.row_bucket_growth
         return (*sizes, cap)
 
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -263,16 +267,17 @@ class Engine:
             attend_length = None
         return self._generate(params.state, decode_state, attend_length)
 
-    def warmup(self, params: VersionedParams) -> None:
-        """Compile every program a request can need (prefill and insert at each row bucket and length
-        bucket, generate at each cache-prefix bucket), so no request pays a compilation later."""
+    def warmup(self, params: VersionedParams, single_prompt_api: bool = False) -> None:
+        """Compile every program the generator can need (batched prefill and insert at each row and length
+        bucket, generate at each cache-prefix bucket), so no request pays a compilation later. The
+        one-prompt `prefill`/`insert` of the JetStream API are compiled too with `single_prompt_api`."""
         decode_state = self.init_decode_state()
-        key = jax.random.key(0)
         sampling = SamplingParams()
         for bucket in self.buckets:
             length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
-            prefix = self.prefill(params, np.zeros(bucket, np.int32), length)
-            decode_state = self.insert(prefix, decode_state, 0, sampling, key)
+            if single_prompt_api:
+                prefix = self.prefill(params, np.zeros(bucket, np.int32), length)
+                decode_state = self.insert(prefix, decode_state, 0, sampling, jax.random.key(0))
             for rows in self.prefill_rows:
                 batch = self.prefill_batch(params, [[1] * length] * rows)
                 decode_state = self.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
