@@ -54,10 +54,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from areal_jax.config import load_experiment
-    from areal_jax.system.async_rl import run_async
+    from areal_jax.system.async_rl import RunDirectoryError, run_async
 
     path, overrides = _split_config_args(args.rest)
-    summary = run_async(load_experiment(path, overrides), resume=args.resume)
+    try:
+        summary = run_async(load_experiment(path, overrides), resume=args.resume, overwrite=args.overwrite)
+    except RunDirectoryError as err:
+        print(f"run directory: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(dataclasses.asdict(summary), indent=2))
     return 0
 
@@ -76,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="asynchronous RL on the embedded arithmetic task (one process)")
     train.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
+    train.add_argument(
+        "--overwrite", action="store_true", help="delete an earlier run in the run directory and start over"
+    )
     train.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     train.set_defaults(func=_cmd_train)
     demo = sub.add_parser("demo", help="generate and score completions on the embedded arithmetic task")

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -125,10 +126,54 @@ def _reward_stats(trajectories: list[Trajectory], version: int) -> dict[str, flo
     }
 
 
-def run_async(cfg: ExperimentConfig, resume: bool = False, stop_event: threading.Event | None = None) -> RunSummary:
-    """Train `cfg.train_steps` steps of asynchronous RL on the embedded arithmetic task."""
+class RunDirectoryError(Exception):
+    """The run directory does not fit the request (a new run over an old one, a resume with nothing to
+    resume); raised before any work is done."""
+
+
+def _previous_run(run_dir: Path) -> str | None:
+    """What an earlier run left in `run_dir` (None when nothing)."""
+    found = [name for name in ("checkpoints", "rollout_log", "metrics.jsonl", "hf_final") if (run_dir / name).exists()]
+    return ", ".join(found) or None
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, latest_checkpoint: int | None) -> None:
+    """A new run needs an empty run directory (an old rollout log would feed the new trainer, old
+    checkpoints would clash with new ones): refuse, or with `overwrite` delete the old run first.
+    A resume needs a checkpoint."""
+    if resume and overwrite:
+        raise RunDirectoryError("--resume and --overwrite exclude each other")
+    previous = _previous_run(run_dir)
+    if resume:
+        if latest_checkpoint is None:
+            raise RunDirectoryError(
+                f"nothing to resume: no training checkpoint in {run_dir / 'checkpoints'}"
+                + (f" (found: {previous}); start over with --overwrite" if previous else "")
+            )
+        return
+    if previous is None:
+        return
+    if not overwrite:
+        raise RunDirectoryError(
+            f"{run_dir} holds an earlier run ({previous}); continue it with --resume, start over with "
+            "--overwrite (deletes it), or pick another name=... / output_dir=..."
+        )
+    logger.warning("--overwrite: deleting the earlier run in %s (%s)", run_dir, previous)
+    shutil.rmtree(run_dir)
+
+
+def run_async(
+    cfg: ExperimentConfig,
+    resume: bool = False,
+    stop_event: threading.Event | None = None,
+    overwrite: bool = False,
+) -> RunSummary:
+    """Train `cfg.train_steps` steps of asynchronous RL on the embedded arithmetic task. A new run needs
+    a run directory without an earlier run (or `overwrite`); `resume` continues the newest checkpoint."""
     started = time.perf_counter()
     run_dir = cfg.run_dir
+    latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
+    prepare_run_dir(run_dir, resume, overwrite, latest)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokenizer = load_tokenizer(cfg.tokenizer)

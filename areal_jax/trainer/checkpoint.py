@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from areal_jax.configuration import Config, option
@@ -130,6 +131,20 @@ class TrainCheckpointer:
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
+
+    @classmethod
+    def latest_in(cls, directory: str | os.PathLike[str]) -> int | None:
+        """The newest finished checkpoint step in `directory`, creating nothing (None when there is none)."""
+        location = checkpoint_location(directory)
+        if not epath.Path(location).exists():
+            return None
+        manager = ocp.CheckpointManager(
+            location, item_names=(cls.STATE, cls.METADATA), options=ocp.CheckpointManagerOptions(read_only=True)
+        )
+        try:
+            return manager.latest_step()
+        finally:
+            manager.close()
 
     def maybe_save(self, step: int, state: Any, metadata: Metadata | Callable[[], Metadata]) -> bool:
         """Save if `step` is due or a stop was requested; True when the loop should stop now.
