@@ -1,7 +1,6 @@
-"""The current main job: build (or load) a model, round-trip it through an HF checkpoint, generate on
-the embedded arithmetic task, score the answers and check engine log-probs against the scoring path.
-
-It stands in for `areal-jax train` until the asynchronous system lands; every step is real work.
+"""`areal-jax demo`: build (or load) a model, round-trip it through an HF checkpoint, generate on the
+embedded arithmetic task with the rollout engine and generator, score the answers and check the
+behaviour log-probs against the trainer's scoring path. A smoke test of a checkpoint, no training.
 """
 
 from __future__ import annotations
@@ -20,7 +19,9 @@ from rich.table import Table
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
-from areal_jax.inference.static_batch import Completion, StaticBatchGenerator
+from areal_jax.inference.engine import Engine
+from areal_jax.inference.generator import GenerationResult, Generator
+from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import load_tokenizer
@@ -30,7 +31,7 @@ from areal_jax.sharding import make_mesh
 logger = logging.getLogger(__name__)
 
 
-def _max_logprob_gap(model: Any, completions: list[Completion], temperature: float) -> float:
+def _max_logprob_gap(model: Any, completions: list[GenerationResult], temperature: float) -> float:
     """Largest |generation log-prob - scoring-path log-prob| over all sampled tokens."""
     tokens = [list(c.prompt_ids) + list(c.output_ids) for c in completions]
     width = max(len(t) for t in tokens)
@@ -49,7 +50,7 @@ def _max_logprob_gap(model: Any, completions: list[Completion], temperature: flo
     for row, c in enumerate(completions):
         start = len(c.prompt_ids) - 1  # the logit at position p predicts token p + 1
         scored = logp[row, start : start + len(c.output_ids)]
-        gap = max(gap, float(np.abs(scored - np.asarray(c.logprobs)).max()))
+        gap = max(gap, float(np.abs(scored - np.asarray(c.output_logprobs)).max()))
     return gap
 
 
@@ -79,12 +80,25 @@ def run_demo(cfg: ExperimentConfig) -> dict[str, Any]:
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True)
         for p in problems
-        for _ in range(gen.samples_per_prompt)
     ]
-    generator = StaticBatchGenerator(model, tokenizer.stop_token_ids, tokenizer.pad_id)
-    started = time.perf_counter()
-    completions = generator.generate(prompts, gen.max_new_tokens, gen.temperature, jax.random.key(cfg.seed))
-    seconds = time.perf_counter() - started
+    engine = Engine(model, cfg.rollout.engine, mesh)
+    with Generator(engine, engine.load_params(nnx.state(model), 0), detokenize=tokenizer.decode) as generator:
+        started = time.perf_counter()
+        futures = [
+            generator.submit(
+                prompt,
+                SamplingParams(
+                    temperature=gen.temperature,
+                    max_new_tokens=gen.max_new_tokens,
+                    stop_token_ids=tuple(tokenizer.stop_token_ids),
+                    seed=cfg.seed * len(prompts) + index,
+                ),
+                n=gen.samples_per_prompt,
+            )
+            for index, prompt in enumerate(prompts)
+        ]
+        completions = [result for future in futures for result in future.result()]
+        seconds = time.perf_counter() - started
     answers = [p.answer for p in problems for _ in range(gen.samples_per_prompt)]
     texts = [tokenizer.decode(list(c.output_ids), skip_special_tokens=True) for c in completions]
     rewards = [arithmetic_reward(t, a) for t, a in zip(texts, answers, strict=True)]
@@ -100,7 +114,7 @@ def run_demo(cfg: ExperimentConfig) -> dict[str, Any]:
                 "reward": reward,
                 "finish_reason": c.finish_reason,
                 "output_ids": list(c.output_ids),
-                "logprobs": list(c.logprobs),
+                "logprobs": list(c.output_logprobs),
             }
             out.write(json.dumps(record) + "\n")
     _print_table(problems, texts, rewards, gen.samples_per_prompt)
@@ -110,7 +124,7 @@ def run_demo(cfg: ExperimentConfig) -> dict[str, Any]:
         "devices": len(mesh.devices.flat),
         "samples": len(completions),
         "generated_tokens": generated,
-        "generation_tokens_per_second": round(generated / seconds, 1),
+        "generation_tokens_per_second_incl_compile": round(generated / seconds, 1),
         "mean_reward": float(np.mean(rewards)),
         "max_logprob_gap_generation_vs_scoring": gap,
         "params_state_bytes": int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))),

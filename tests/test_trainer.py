@@ -10,7 +10,10 @@ from flax import nnx
 
 from areal_jax.configuration import ConfigError
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.inference.static_batch import StaticBatchGenerator
+from areal_jax.inference.engine import Engine, EngineConfig
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.sampling import SamplingParams
+from areal_jax.sharding import copy_to
 from areal_jax.trainer.batching import build_batch, split_minibatches
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
 from areal_jax.trainer.train_step import learning_rate_schedule
@@ -177,40 +180,45 @@ def test_ppo_minibatches_make_several_updates_and_stats_cover_the_step():
 
 
 def test_ppo_learns_a_synthetic_task():
-    """Reward 1 when the sampled token is one of the 16 lowest ids (a quarter of the vocabulary)."""
+    """Reward 1 when the sampled token is one of the 16 lowest ids (a quarter of the vocabulary). Samples
+    come from the continuous-batching generator; each new version is copied into it before the next round."""
     graphdef, state = tiny_model_state()
-    generator = StaticBatchGenerator(nnx.merge(graphdef, state), stop_token_ids=[0])
-
-    def publish(params: nnx.State, version: int) -> None:
-        generator.state = params
-
     config = CONFIG.replace(optimizer=CONFIG.optimizer.replace(lr=1e-2))
-    trainer = Trainer(nnx.merge(graphdef, state), config, single_device_mesh(), publish)
-    generator.state = trainer.params
+    trainer = Trainer(nnx.merge(graphdef, state), config, single_device_mesh())
+    engine = Engine(nnx.merge(graphdef, state), EngineConfig(max_slots=32, max_length=16))
     rng = np.random.default_rng(0)
-    key = jax.random.key(0)
     mean_rewards = []
-    for _ in range(20):
-        prompts = [[int(x) for x in rng.integers(1, 64, 3)] for _ in range(8)]
-        key, sub = jax.random.split(key)
-        completions = generator.generate([p for p in prompts for _ in range(4)], 1, config.temperature, sub)
-        trajectories = []
-        for i, completion in enumerate(completions):
-            token = completion.output_ids[0]
-            trajectories.append(
-                _trajectory(
-                    [*completion.prompt_ids, token],
-                    3,
-                    [0, 0, 0, completion.logprobs[0]],
-                    [-1, -1, -1, trainer.version],
-                    reward=float(token < 16),
-                    group_id=i // 4,
-                    sample_index=i % 4,
-                )
-            )
-        mean_rewards.append(np.mean([t.reward for t in trajectories]))
-        stats = trainer.step(trajectories)
-        assert stats["train/skipped_updates"] == 0
-        assert stats["ppo/iw_max"] < 1.001  # the sampler's log-probs match the trainer's (same version)
+    with Generator(engine, engine.load_params(copy_to(trainer.params, engine.param_shardings), 0)) as generator:
+
+        def publish(params: nnx.State, version: int) -> None:  # a copy: the next train step donates `params`
+            generator.update_params(copy_to(params, engine.param_shardings), version).result(timeout=60)
+
+        trainer.publish = publish
+        for round_index in range(20):
+            prompts = [[int(x) for x in rng.integers(1, 64, 3)] for _ in range(8)]
+            sampling = SamplingParams(temperature=config.temperature, max_new_tokens=1)
+            futures = [
+                generator.submit(p, sampling.replace(seed=round_index * 8 + i), n=4) for i, p in enumerate(prompts)
+            ]
+            trajectories = []
+            for group_id, future in enumerate(futures):
+                for result in future.result(timeout=120):
+                    token = result.output_ids[0]
+                    trajectories.append(
+                        _trajectory(
+                            [*result.prompt_ids, token],
+                            3,
+                            [0, 0, 0, result.output_logprobs[0]],
+                            [-1, -1, -1, result.output_versions[0]],
+                            reward=float(token < 16),
+                            group_id=group_id,
+                            sample_index=result.sample_index,
+                        )
+                    )
+            assert {t.versions[-1] for t in trajectories} == {trainer.version}
+            mean_rewards.append(np.mean([t.reward for t in trajectories]))
+            stats = trainer.step(trajectories)
+            assert stats["train/skipped_updates"] == 0
+            assert stats["ppo/iw_max"] < 1.001  # the sampler's log-probs match the trainer's (same version)
     first, last = np.mean(mean_rewards[:5]), np.mean(mean_rewards[-5:])
     assert last > first + 0.3, (first, last, mean_rewards)
