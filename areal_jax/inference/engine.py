@@ -137,7 +137,7 @@ class Engine:
         self.graphdef, state = nnx.split(model)
         # Without a mesh everything is committed to one device, so the arguments of every call carry the
         # same shardings and a warmed-up program is never compiled again for a fresh decode state.
-        self.device = jax.devices()[0] if mesh is None else None
+        self.device = jax.local_devices()[0] if mesh is None else None
         self.param_shardings = (
             state_shardings(state, mesh) if mesh is not None else jax.tree.map(lambda _: self._single(), state)
         )

@@ -191,7 +191,7 @@ class JetStreamEngine(engine_api.Engine):
         """Where a `Prefix` must live for `insert`: KV heads split like the decode cache, the rest replicated."""
         mesh = self.engine.mesh
         if mesh is None:
-            return SingleDeviceSharding(jax.devices()[0])
+            return SingleDeviceSharding(self.engine.device)
         model = self.engine.model_config
         cache_spec = logical_to_spec(
             ("layers", "slots", "length", "kv_heads", "head_dim"),

@@ -305,7 +305,7 @@ def load_hf_checkpoint(
     if mesh is not None:
         shardings = state_shardings(abstract_state, mesh)
     else:
-        replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        replicated = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(
             lambda v: v.replace(replicated), abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
