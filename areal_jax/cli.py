@@ -40,11 +40,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
     from areal_jax.demo import run_demo
 
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
+    enable_compilation_cache(cfg.compilation_cache_dir)
     started = time.perf_counter()
     summary = run_demo(cfg)
     summary["wall_seconds"] = round(time.perf_counter() - started, 2)
@@ -53,12 +55,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
     from areal_jax.system.async_rl import RunDirectoryError, run_async
 
     path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    enable_compilation_cache(cfg.compilation_cache_dir)
     try:
-        summary = run_async(load_experiment(path, overrides), resume=args.resume, overwrite=args.overwrite)
+        summary = run_async(cfg, resume=args.resume, overwrite=args.overwrite)
     except RunDirectoryError as err:
         print(f"run directory: {err}", file=sys.stderr)
         return 2

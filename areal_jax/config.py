@@ -40,6 +40,9 @@ class ExperimentConfig(Config):
     trainer: TrainerConfig = option(default_factory=TrainerConfig, doc="the PPO trainer")
     rollout: RolloutConfig = option(default_factory=RolloutConfig, doc="the rollout side")
     train_checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig, doc="training checkpoints")
+    compilation_cache_dir: str | None = option(
+        None, doc="persistent XLA compilation cache shared by runs (local or gs://); null = off"
+    )
 
     def validate(self) -> None:
         sampler = self.rollout.workflow.sampling

@@ -58,7 +58,7 @@ def test_a_new_run_refuses_an_earlier_run_unless_overwritten(tmp_path, capsys):
     prepare_run_dir(run_dir, resume=True, overwrite=False, latest_checkpoint=3)  # resumable: nothing touched
     assert (run_dir / "metrics.jsonl").exists()
 
-    code = main(["train", "configs/train_cpu.yaml", f"output_dir={tmp_path}"])
+    code = main(["train", "configs/train_cpu.yaml", f"output_dir={tmp_path}", "compilation_cache_dir=null"])
     assert code == 2 and "holds an earlier run" in capsys.readouterr().err
     assert (run_dir / "rollout_log").exists()  # refused: nothing deleted
     prepare_run_dir(run_dir, resume=False, overwrite=True, latest_checkpoint=None)
