@@ -1,6 +1,11 @@
-"""Test-wide JAX settings: 8 virtual CPU devices and strict rank promotion."""
+"""Test-wide JAX settings: 8 virtual CPU devices, strict rank promotion, and a compilation cache for
+this session (many tests build the same small programs on fresh engines; a cache hit still counts as a
+backend compilation event, so the compile-count tests see every program)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -8,6 +13,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+from areal_jax.compilation_cache import enable_compilation_cache  # noqa: E402 (after the XLA flags)
+
+_SESSION_CACHE = tempfile.mkdtemp(prefix="areal-jax-test-xla-cache-")
+atexit.register(shutil.rmtree, _SESSION_CACHE, True)
+enable_compilation_cache(_SESSION_CACHE)  # this process only: worker subprocesses compile for themselves
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
