@@ -1,5 +1,6 @@
 """The `areal-jax` command: `train` (asynchronous RL, the main job), `demo` (generate and score with a
-fresh model), `config` (print or describe a config), `convert` (re-export an HF checkpoint)."""
+fresh model), `config` (print or describe a config), `convert` (re-export an HF checkpoint),
+`profile-summary` (rank the XLA operations of a trace taken with `profile.start_step=N`)."""
 
 from __future__ import annotations
 
@@ -57,11 +58,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
+    from areal_jax.profiling import request_cpu_op_events
     from areal_jax.system.async_rl import RunDirectoryError, run_async
 
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
     enable_compilation_cache(cfg.compilation_cache_dir)
+    if cfg.profile.start_step:
+        request_cpu_op_events()
     try:
         summary = run_async(cfg, resume=args.resume, overwrite=args.overwrite)
     except RunDirectoryError as err:
@@ -77,6 +81,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     cfg, model = load_hf_checkpoint(args.source)
     save_hf_checkpoint(cfg, model, args.destination, max_shard_bytes=args.max_shard_mb * 1024**2)
     print(f"{args.source} -> {args.destination}: {cfg.family}, {cfg.num_params():,} parameters")
+    return 0
+
+
+def _cmd_profile_summary(args: argparse.Namespace) -> int:
+    from areal_jax.profiling import format_summary, newest_trace, summarize_trace
+
+    try:
+        ops = summarize_trace(args.directory, top=args.top)
+    except FileNotFoundError as err:
+        print(f"profile-summary: {err}", file=sys.stderr)
+        return 2
+    print(f"{newest_trace(args.directory)}")
+    print(format_summary(ops))
     return 0
 
 
@@ -102,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("destination", type=Path)
     convert.add_argument("--max-shard-mb", type=int, default=2048)
     convert.set_defaults(func=_cmd_convert)
+    summary = sub.add_parser("profile-summary", help="rank the XLA operations of a profile trace by total time")
+    summary.add_argument("directory", type=Path, help="a run's profile/ directory (or any trace directory)")
+    summary.add_argument("--top", type=int, default=25)
+    summary.set_defaults(func=_cmd_profile_summary)
     return parser
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from areal_jax.configuration import Config, ConfigError, load, option
 from areal_jax.models.config import ModelConfig
+from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
 from areal_jax.sharding import MeshConfig
 from areal_jax.trainer.checkpoint import CheckpointConfig
@@ -40,6 +41,7 @@ class ExperimentConfig(Config):
     trainer: TrainerConfig = option(default_factory=TrainerConfig, doc="the PPO trainer")
     rollout: RolloutConfig = option(default_factory=RolloutConfig, doc="the rollout side")
     train_checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig, doc="training checkpoints")
+    profile: ProfileConfig = option(default_factory=ProfileConfig, doc="an XProf trace over some trainer steps")
     compilation_cache_dir: str | None = option(
         None, doc="persistent XLA compilation cache shared by runs (local or gs://); null = off"
     )

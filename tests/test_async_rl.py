@@ -24,6 +24,8 @@ FAST = [
 @pytest.mark.parametrize("eta", [0, 2])
 def test_async_training_runs_within_staleness_and_resumes(tmp_path, eta):
     overrides = [*FAST, f"output_dir={tmp_path}", f"rollout.staleness.max_head_offpolicyness={eta}"]
+    if eta:
+        overrides += ["profile.start_step=2", "profile.num_steps=1"]  # a trace of step 2, both sides running
     cfg = load_experiment("configs/train_cpu.yaml", overrides)
     summary = run_async(cfg)
     assert summary.version == 4 and summary.steps == 4
@@ -36,6 +38,7 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, eta):
     model_cfg, _ = load_hf_checkpoint(summary.final_hf_checkpoint)
     assert model_cfg.vocab_size == cfg.model.vocab_size
     assert TrainCheckpointer.latest_in(cfg.run_dir / "checkpoints") == 4
+    assert len(list((cfg.run_dir / "profile").rglob("*.xplane.pb"))) == (1 if eta else 0)
 
     resumed = run_async(cfg.replace(train_steps=6), resume=True)
     assert resumed.version == 6 and resumed.steps == 2

@@ -41,6 +41,7 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import load_tokenizer
+from areal_jax.profiling import ProfileWindow
 from areal_jax.rewards.synthetic import make_problems
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.environments import ArithmeticRewardFn, arithmetic_prompt_record
@@ -227,6 +228,7 @@ def run_async(
         batches.set_state(metadata["pipeline"])
 
     metrics_path = run_dir / "metrics.jsonl"
+    profile = ProfileWindow(cfg.profile, run_dir / "profile")
     first_reward = last_reward = float("nan")
     trained = 0
     workflow = RLVRWorkflow(cfg.rollout.workflow, tokenizer, ArithmeticRewardFn(cfg.rollout.task.format_bonus))
@@ -243,7 +245,9 @@ def run_async(
                     if batch is None:
                         break
                     version_before = trainer.version
+                    profile.before_step(version_before + 1)
                     stats = trainer.step(batch)
+                    profile.after_step(trainer.version)
                     stats.update(_reward_stats(batch, version_before))
                     stats.update({f"generator/{k}": float(v) for k, v in dataclasses.asdict(generator.stats).items()})
                     counters = pipeline_stats(batches.get_state())
@@ -277,6 +281,7 @@ def run_async(
                         },
                     )
         finally:
+            profile.close()
             pipeline_stop.set()
             controller.stop()
             checkpointer.wait()

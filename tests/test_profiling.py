@@ -1,0 +1,62 @@
+"""Profile window and trace summary: a real XProf trace of XLA:CPU operations, ranked."""
+
+import json
+import os
+import subprocess
+import sys
+
+from areal_jax.cli import main
+from areal_jax.profiling import ProfileConfig, ProfileWindow
+
+CHILD = """
+import json, os, sys
+from areal_jax.profiling import ProfileConfig, ProfileWindow, request_cpu_op_events, summarize_trace
+request_cpu_op_events()  # before the backend starts
+import jax, jax.numpy as jnp
+
+@jax.jit
+def step(x):
+    return jnp.tanh(x @ x) + 1.0
+
+window = ProfileWindow(ProfileConfig(start_step=2, num_steps=2), sys.argv[1])
+x = jnp.ones((256, 256)) / 256
+for trainer_step in range(1, 6):
+    window.before_step(trainer_step)
+    x = step(x).block_until_ready()
+    window.after_step(trainer_step)
+ops = summarize_trace(sys.argv[1], top=5)
+print(json.dumps({"active": window.active, "ops": [[o.name, o.total_ms, o.count, o.share] for o in ops]}))
+"""
+
+
+def test_a_trace_window_records_xla_operations_and_ranks_them(tmp_path, capsys):
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "profile")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=180,
+        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["active"] is False  # stopped after its two steps
+    ops = report["ops"]
+    assert ops, "no XLA operation events in the trace"
+    totals = [total for _, total, _, _ in ops]
+    assert totals == sorted(totals, reverse=True) and totals[0] > 0
+    assert 0 < sum(share for *_, share in ops) <= 1.0 + 1e-9
+    assert max(count for _, _, count, _ in ops) <= 2  # only the two traced steps ran inside the window
+
+    assert main(["profile-summary", str(tmp_path / "profile"), "--top", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "xplane.pb" in printed and ops[0][0] in printed
+
+
+def test_a_disabled_window_writes_nothing_and_a_missing_trace_is_reported(tmp_path, capsys):
+    window = ProfileWindow(ProfileConfig(start_step=0), tmp_path / "profile")
+    window.before_step(0)
+    window.after_step(0)
+    window.close()
+    assert not window.enabled and not (tmp_path / "profile").exists()
+    assert main(["profile-summary", str(tmp_path)]) == 2
+    assert "no *.xplane.pb trace" in capsys.readouterr().err
