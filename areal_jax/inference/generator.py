@@ -7,7 +7,8 @@ One background thread owns the engine and its decode state; callers submit reque
      KV cache was made with the old weights) and is queued first for a re-prefill of prompt + tokens
      generated so far; with `interrupt=False`, admission stops until in-flight samples finish on the
      old weights, then the weights are swapped;
-  2. admits queued work into free slots (a new request's n samples share one prefill);
+  2. admits queued work into free slots (a new request's n samples share one prefill; a prefill call's
+     spare rows go to prompts still queued in the same length bucket, so their admission is an insert);
   3. runs one decode step over all slots and hands each emitted token to its sample, which checks its
      stop conditions.
 Every output token keeps the behaviour log-prob and the policy version it was sampled with.
