@@ -91,7 +91,7 @@ def test_prefixes_prefilled_ahead_are_dropped_when_weights_change(models, interr
     every token it emits carries version 1 and the new params' log-probs."""
     old, new = models
     engine = Engine(old, EngineConfig(max_slots=2, max_length=96, max_prefill_batch=2))
-    lengths = {"a": 40, "x": 2, "b": 30, "c": 8}
+    lengths = {"a": 70, "x": 2, "b": 60, "c": 8}  # b and a run long: the test pauses before c is admitted
     prompts = {name: [2 + i, 7, 1, 8, 2] for i, name in enumerate(lengths)}
     with Generator(engine, engine.load_params(nnx.state(old), 0)) as gen:
         gen.pause()
