@@ -291,32 +291,14 @@ class Engine:
 
     def _make_decode_shardings(self) -> DecodeState:
         if self.mesh is None:
-            one = self._single()
-            return DecodeState(
-                cache=KVCache(k=one, v=one),
-                positions=one,
-                tokens=one,
-                logprobs=one,
-                keys=one,
-                temperature=one,
-                top_k=one,
-                top_p=one,
-            )
-        cache_spec = logical_to_spec(
-            ("layers", "slots", "length", "kv_heads", "head_dim"),
-            (
-                self.model_config.num_layers,
-                self.config.max_slots,
-                self.config.max_length,
-                self.model_config.num_kv_heads,
-                self.model_config.resolved_head_dim,
-            ),
-            self.mesh,
-        )
-        slot_spec = logical_to_spec(("slots",), (self.config.max_slots,), self.mesh)
-        cache = NamedSharding(self.mesh, cache_spec)
-        per_slot = NamedSharding(self.mesh, slot_spec)
-        keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (self.config.max_slots, 2), self.mesh))
+            cache = per_slot = keys = self._single()
+        else:
+            model, slots = self.model_config, self.config.max_slots
+            cache_shape = (model.num_layers, slots, self.config.max_length, model.num_kv_heads, model.resolved_head_dim)
+            cache_axes = ("layers", "slots", "length", "kv_heads", "head_dim")
+            cache = NamedSharding(self.mesh, logical_to_spec(cache_axes, cache_shape, self.mesh))
+            per_slot = NamedSharding(self.mesh, logical_to_spec(("slots",), (slots,), self.mesh))
+            keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (slots, 2), self.mesh))
         return DecodeState(
             cache=KVCache(k=cache, v=cache),
             positions=per_slot,

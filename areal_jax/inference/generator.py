@@ -383,10 +383,14 @@ class Generator:
         ahead: dict[int, list[_PrefillJob]] = collections.defaultdict(list)
         for job in jobs:
             by_bucket[bucket_for(len(job.tokens), self.engine.buckets)].append(job)
-        for job in queue:
-            if job.prefix is None and id(job) not in wanted:
-                ahead[bucket_for(len(job.tokens), self.engine.buckets)].append(job)
         rows = self.engine.prefill_rows
+        for job in queue:  # at most one call's spare rows per bucket, so the scan stops early
+            if all(len(ahead[bucket]) >= rows[-1] - 1 for bucket in by_bucket):
+                break
+            if job.prefix is None and id(job) not in wanted:
+                bucket = bucket_for(len(job.tokens), self.engine.buckets)
+                if bucket in by_bucket:
+                    ahead[bucket].append(job)
         for bucket, group in by_bucket.items():
             last = len(group) % rows[-1] or rows[-1]  # jobs in the last call; spare rows are filled up to
             candidates = last + len(ahead[bucket])  # the largest row bucket the queue can fill
