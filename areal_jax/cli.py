@@ -1,6 +1,7 @@
-"""The `areal-jax` command: `train` (asynchronous RL, the main job), `demo` (generate and score with a
-fresh model), `config` (print or describe a config), `convert` (re-export an HF checkpoint),
-`profile-summary` (rank the XLA operations of a trace taken with `profile.start_step=N`)."""
+"""The `areal-jax` command: `train` (asynchronous RL, the main job), `eval` (pass@1/avg@k/pass@k of a
+checkpoint on datasets), `demo` (generate and score with a fresh model), `config` (print or describe a
+config), `convert` (re-export an HF checkpoint), `profile-summary` (rank the XLA operations of a trace
+taken with `profile.start_step=N`)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from areal_jax.compilation_cache import enable_compilation_cache
+    from areal_jax.config import load_experiment
+    from areal_jax.evaluation import CheckpointSourceError, resolve_checkpoint, run_eval
+
+    path, overrides = _split_config_args(args.rest)
+    try:
+        source = resolve_checkpoint(args.checkpoint)
+    except CheckpointSourceError as err:
+        print(f"eval: {err}", file=sys.stderr)
+        return 2
+    if path is None and source.config_file is not None:
+        path = source.config_file
+        logger.info("config: %s (the run's)", path)
+    cfg = load_experiment(path, overrides)
+    enable_compilation_cache(cfg.compilation_cache_dir)
+    report, json_path, md_path = run_eval(cfg, source, args.output or source.default_output)
+    report.print()
+    print(f"wrote {json_path}\nwrote {md_path}")
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 
@@ -107,7 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     train.set_defaults(func=_cmd_train)
-    demo = sub.add_parser("demo", help="generate and score completions on the embedded arithmetic task")
+    evaluate = sub.add_parser("eval", help="evaluate a checkpoint (pass@1, avg@k, pass@k) on datasets")
+    evaluate.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="an HF checkpoint directory, or a run directory of `train` (its hf_final/, else its newest checkpoint)",
+    )
+    evaluate.add_argument("--output", type=Path, help="directory of eval.json and eval.md; default <checkpoint>/eval")
+    evaluate.add_argument(
+        "rest", nargs="*", help="[config.yaml] [section.key=value ...]; default config: the run's config.yaml"
+    )
+    evaluate.set_defaults(func=_cmd_eval)
+    demo = sub.add_parser("demo", help="generate and score completions on the configured dataset and reward")
     demo.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     demo.set_defaults(func=_cmd_demo)
     config = sub.add_parser("config", help="print the resolved config as YAML")

@@ -7,9 +7,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from areal_jax.configuration import Config, ConfigError, load, option
+from areal_jax.data.pipeline import PipelineConfig
+from areal_jax.data.tasks import TaskDataConfig
+from areal_jax.evaluation import EvalConfig
 from areal_jax.models.config import ModelConfig
 from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
+from areal_jax.rollout.rewards import RewardConfig
 from areal_jax.sharding import MeshConfig
 from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainerConfig
@@ -32,28 +36,80 @@ class ExperimentConfig(Config):
     name: str = option("demo", doc="run name; outputs go to <output_dir>/<name>")
     output_dir: str = option("runs", doc="root directory of run outputs")
     seed: int = option(0, ge=0, doc="seed of parameter init, data order and sampling")
-    tokenizer: str = option("char", doc="'char' (synthetic tasks) or a directory with tokenizer.json")
+    tokenizer: str | None = option(
+        None, doc="'char' (synthetic tasks) or a directory with tokenizer.json; null = hf_checkpoint's, else 'char'"
+    )
     hf_checkpoint: str | None = option(None, doc="HF checkpoint directory to start from; null = random init")
     model: ModelConfig = option(default_factory=ModelConfig, doc="decoder architecture")
     mesh: MeshConfig = option(default_factory=MeshConfig, doc="device mesh (the demo's, and each side's shape)")
     generation: GenerationConfig = option(default_factory=GenerationConfig, doc="sampling of `demo`")
-    train_steps: int = option(20, ge=1, doc="trainer steps of `train`")
+    train_steps: int = option(20, ge=1, doc="trainer steps of `train` (fewer when dataset.epochs run out first)")
+    dataset: TaskDataConfig = option(default_factory=TaskDataConfig, doc="the prompts and their order")
+    reward: RewardConfig = option(default_factory=RewardConfig, doc="how a completion is scored")
     trainer: TrainerConfig = option(default_factory=TrainerConfig, doc="the PPO trainer")
     rollout: RolloutConfig = option(default_factory=RolloutConfig, doc="the rollout side")
+    pipeline: PipelineConfig = option(
+        default_factory=PipelineConfig, doc="rollout log -> trainer batches (staleness filter, grouping, prefetch)"
+    )
     train_checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig, doc="training checkpoints")
     profile: ProfileConfig = option(default_factory=ProfileConfig, doc="an XProf trace over some trainer steps")
+    eval: EvalConfig = option(default_factory=EvalConfig, doc="`areal-jax eval`, and held-out evals during `train`")
     compilation_cache_dir: str | None = option(
         None, doc="persistent XLA compilation cache shared by runs (local or gs://); null = off"
     )
 
     def validate(self) -> None:
-        sampler = self.rollout.workflow.sampling
-        if sampler.temperature != self.trainer.temperature:
+        rollout, sampling = self.rollout, self.rollout.workflow.sampling
+        if sampling.temperature == 0:
             raise ConfigError(
-                "trainer.temperature",
-                f"value {self.trainer.temperature} differs from rollout.workflow.sampling.temperature="
-                f"{sampler.temperature}; behaviour and trainer log-probs must use the same temperature",
+                "rollout.workflow.sampling.temperature",
+                "is 0 (greedy); RL needs sampled answers and their log-probs (the trainer scores at this "
+                "temperature); greedy decoding is for eval.temperature",
             )
+        for key, value, source, expected in (
+            ("group_size", self.pipeline.group_size, "rollout.workflow.n_samples", rollout.workflow.n_samples),
+            (
+                "groups_per_batch",
+                self.pipeline.groups_per_batch,
+                "rollout.staleness.batch_prompts",
+                rollout.staleness.batch_prompts,
+            ),
+        ):
+            if value is not None and value != expected:
+                raise ConfigError(f"pipeline.{key}", f"value {value} differs from {source}={expected}; leave it null")
+        longest_prompt = self.dataset.max_prompt_tokens + sampling.max_new_tokens
+        if longest_prompt > rollout.engine.max_length:
+            raise ConfigError(
+                "dataset.max_prompt_tokens",
+                f"value {self.dataset.max_prompt_tokens} + rollout.workflow.sampling.max_new_tokens="
+                f"{sampling.max_new_tokens} exceeds rollout.engine.max_length={rollout.engine.max_length}; "
+                "lower one of the first two or raise the last",
+            )
+        longest, what = self.longest_sample()
+        row = self.trainer.packing.row_length
+        if longest > row:
+            raise ConfigError(
+                "trainer.packing.token_budget",
+                f"a packed row holds token_budget / rows = {self.trainer.packing.token_budget} / "
+                f"{self.trainer.packing.rows} = {row} tokens, but the longest sample is {what} = {longest}; "
+                "raise trainer.packing.token_budget or lower trainer.packing.rows",
+            )
+
+    def longest_sample(self) -> tuple[int, str]:
+        """The longest possible trajectory in tokens and the keys it comes from."""
+        if self.rollout.workflow.kind == "multi_turn":
+            return self.rollout.engine.max_length, "rollout.engine.max_length (multi_turn)"
+        sampling = self.rollout.workflow.sampling
+        return (
+            self.dataset.max_prompt_tokens + sampling.max_new_tokens,
+            "dataset.max_prompt_tokens + rollout.workflow.sampling.max_new_tokens",
+        )
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline section with the group size and batch size of the rollout side filled in."""
+        return self.pipeline.replace(
+            group_size=self.rollout.workflow.n_samples, groups_per_batch=self.rollout.staleness.batch_prompts
+        )
 
     @property
     def run_dir(self) -> Path:

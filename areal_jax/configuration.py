@@ -287,8 +287,19 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    text = Path(path).read_text()
+BASE_KEY = "base"
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML mapping. A top-level `base: other.yaml` (relative to this file) is read first and this
+    file's keys are merged over it, section by section."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise ConfigError(BASE_KEY, f"{path}: the base chain comes back to itself ({' -> '.join(map(str, _seen))})")
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError("", f"cannot read config file {str(path)!r}: {err.strerror or err}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -297,7 +308,22 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: top level must be a mapping, got {type(data).__name__}")
-    return data
+    base = data.pop(BASE_KEY, None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(BASE_KEY, f"{path}: expected a YAML file name, got {base!r}")
+    return _merge(read_yaml(path.parent / base, (*_seen, path.resolve())), data)
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = _deep_copy(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def load(cls: type[C], path: str | Path | None = None, overrides: Iterable[str] = ()) -> C:

@@ -79,7 +79,7 @@ def warmed_up_trainer(
     model: Decoder, config: TrainerConfig, planner: Planner | None, batches: Sequence[list[Trajectory]]
 ) -> tuple[Trainer, int]:
     """A trainer that has run one step on each distinct batch shape (so every program is compiled)."""
-    trainer = Trainer(model, config, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1)), planner=planner)
+    trainer = Trainer(model, config, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1)), planner=planner, temperature=1.0)
     seen = set()
     for batch in batches:
         shape = build_batch(batch, config, planner).minibatches[0].shape

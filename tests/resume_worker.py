@@ -36,7 +36,7 @@ GROUP_SIZE, GROUPS_PER_BATCH = 2, 2
 def main(log_dir: str, ckpt_dir: str, out: str, total_steps: int, kill_after: int) -> None:
     mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), jax.devices()[:1])
     config = TrainerConfig(optimizer=OptimizerConfig(lr=1e-2), packing=PackingConfig(token_budget=256, rows=4))
-    trainer = Trainer(Decoder(MODEL, nnx.Rngs(0)), config, mesh)
+    trainer = Trainer(Decoder(MODEL, nnx.Rngs(0)), config, mesh, temperature=1.0)
     checkpointer = TrainCheckpointer(ckpt_dir, CheckpointConfig(every_steps=1, async_save=False))
     pipeline = iter(
         build_pipeline(

@@ -97,3 +97,48 @@ def test_choices_are_checked_on_direct_construction_too():
 
     with pytest.raises(ConfigError, match=r"family: got 'mistral'; allowed: 'qwen2', 'qwen3', 'llama'"):
         ModelConfig(family="mistral")
+
+
+@pytest.mark.parametrize(
+    "overrides, key, named",
+    [
+        (
+            ["dataset.max_prompt_tokens=900", "rollout.workflow.sampling.max_new_tokens=200"],
+            "dataset.max_prompt_tokens",
+            ("rollout.workflow.sampling.max_new_tokens=200", "rollout.engine.max_length=1024"),
+        ),
+        (
+            ["trainer.packing.token_budget=4096", "trainer.packing.rows=8"],
+            "trainer.packing.token_budget",
+            ("trainer.packing.rows", "dataset.max_prompt_tokens + rollout.workflow.sampling.max_new_tokens = 768"),
+        ),
+        (
+            ["rollout.workflow.kind=multi_turn", "rollout.engine.max_length=2048", "trainer.packing.rows=16"],
+            "trainer.packing.token_budget",
+            ("rollout.engine.max_length (multi_turn) = 2048", "= 512 tokens"),
+        ),
+        (["pipeline.group_size=3"], "pipeline.group_size", ("rollout.workflow.n_samples=4",)),
+        (["pipeline.groups_per_batch=2"], "pipeline.groups_per_batch", ("rollout.staleness.batch_prompts=8",)),
+        (["rollout.workflow.sampling.temperature=0"], "rollout.workflow.sampling.temperature", ("eval.temperature",)),
+        (["reward.kind=mathh"], "reward.kind", ("'package.module:function'",)),
+        (["dataset.files=[{path: a.jsonl}, {path: a.jsonl}]"], "dataset.files[1].path", ("listed twice",)),
+    ],
+)
+def test_cross_section_errors_at_load_time_name_both_keys(overrides, key, named):
+    with pytest.raises(ConfigError) as info:
+        load_experiment(None, overrides)
+    assert info.value.key == key
+    for fragment in named:
+        assert fragment in str(info.value)
+
+
+def test_a_config_file_builds_on_a_base_file(tmp_path):
+    (tmp_path / "base.yaml").write_text("name: base\nmodel:\n  hidden_size: 32\n  num_layers: 3\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nname: child\nmodel:\n  hidden_size: 48\n")
+    cfg = load_experiment(tmp_path / "child.yaml", ["model.num_heads=6"])
+    assert (cfg.name, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads) == ("child", 48, 3, 6)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="comes back to itself"):
+        load_experiment(tmp_path / "loop.yaml")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_experiment(tmp_path / "missing.yaml")

@@ -34,7 +34,7 @@ def _setup():
     workflow = RLVRWorkflow(
         WorkflowConfig(n_samples=2, sampling=SamplingParams(max_new_tokens=4, seed=0)), tokenizer, arithmetic_reward_fn
     )
-    tasks = iter([arithmetic_prompt_record(p) for p in make_problems(ArithmeticTaskConfig(), 50, seed=0)])
+    tasks = enumerate([arithmetic_prompt_record(p) for p in make_problems(ArithmeticTaskConfig(), 50, seed=0)])
     return generator, workflow, tasks
 
 

@@ -207,6 +207,16 @@ def test_async_api_and_bad_input(models):
             gen.submit(list(range(40)), SamplingParams())
         with pytest.raises(ValueError, match="n must be >= 1"):
             gen.submit([1], SamplingParams(), n=0)
+        # a request id already in flight fails the second future; the id is free again once answered
+        gen.pause()
+        first = gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup")
+        second = gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup")
+        with pytest.raises(ValueError, match="'dup' is already in flight"):
+            second.result(timeout=60)
+        assert gen.num_in_flight() == 1
+        gen.resume()
+        assert len(first.result(timeout=60)) == 1
+        assert len(gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup").result(timeout=60)) == 1
     with pytest.raises(RuntimeError, match="closed"):
         gen.submit([1], SamplingParams())
 

@@ -184,10 +184,12 @@ def test_config_and_argument_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="min_group_size"):
         PipelineConfig(group_size=2, min_group_size=3)
     with pytest.raises(ValueError, match="trainer_version"):
-        build_pipeline(tmp_path, PipelineConfig(max_staleness=1))
+        build_pipeline(tmp_path, PipelineConfig(group_size=1, groups_per_batch=1, max_staleness=1))
     with pytest.raises(ValueError, match="process_index 2"):
-        build_pipeline(tmp_path, PipelineConfig(), process_index=2, process_count=2)
+        build_pipeline(tmp_path, PipelineConfig(group_size=1, groups_per_batch=1), process_index=2, process_count=2)
+    with pytest.raises(ValueError, match="needs group_size and groups_per_batch"):
+        build_pipeline(tmp_path, PipelineConfig(group_size=4))
     with RolloutLogWriter(tmp_path, "w0") as writer:
         writer.append(make_trajectory(0, 5))
     with pytest.raises(ValueError, match="sample_index 5"):
-        list(build_pipeline(tmp_path, PipelineConfig(group_size=4, prefetch_batches=0, **FAST)))
+        list(build_pipeline(tmp_path, PipelineConfig(group_size=4, groups_per_batch=1, prefetch_batches=0, **FAST)))

@@ -22,6 +22,7 @@ from areal_jax.trainer.train_step import TrainStep
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 # Adam's first update is g / (|g| + eps): for entries with |g| near eps it magnifies the ~1e-9 gradient differences
 # of another reduction order; eps = 1e-6 and lr = 1e-3 bound that below 1e-5 in the parameters.
+TEMPERATURE = 1.0  # the sampler's, which the trainer scores at
 CONFIG = TrainerConfig(
     optimizer=OptimizerConfig(lr=1e-3, eps=1e-6, weight_decay=0.01, grad_clip=1.0),
     packing=PackingConfig(token_budget=256, rows=4, microbatch_rounding="pow2"),
@@ -71,7 +72,7 @@ def model_state():
 @pytest.fixture(scope="module")
 def single_step(model_state):
     graphdef, state = model_state
-    return TrainStep(graphdef, state, CONFIG, single_device_mesh())
+    return TrainStep(graphdef, state, CONFIG, single_device_mesh(), temperature=TEMPERATURE)
 
 
 def _run_update(step: TrainStep, state, batch: PackedBatch, version: int = 0):
@@ -84,7 +85,7 @@ def _run_update(step: TrainStep, state, batch: PackedBatch, version: int = 0):
 def test_sharded_step_equals_single_device_and_opt_state_is_sharded_like_params(model_state, single_step):
     graphdef, state = model_state
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    sharded_step = TrainStep(graphdef, state, CONFIG, mesh)
+    sharded_step = TrainStep(graphdef, state, CONFIG, mesh, temperature=TEMPERATURE)
     (batch,) = build_batch(make_trajectories(np.random.default_rng(0), 8, lengths=(4, 24)), CONFIG).minibatches
     assert batch.shape == (1, 4, 64)
 
@@ -148,7 +149,7 @@ def test_proximal_pass_is_token_logprobs_and_first_ratio_is_one(model_state, sin
 
     @jax.jit
     def token_logprobs(state, tokens, targets, segment_ids, positions):
-        return nnx.merge(graphdef, state).token_logprobs(tokens, targets, segment_ids, positions, CONFIG.temperature)
+        return nnx.merge(graphdef, state).token_logprobs(tokens, targets, segment_ids, positions, TEMPERATURE)
 
     for m in range(batch.shape[0]):
         expected, _ = token_logprobs(state, batch.tokens[m], batch.targets[m], batch.segment_ids[m], batch.positions[m])
@@ -167,7 +168,7 @@ def test_proximal_pass_is_token_logprobs_and_first_ratio_is_one(model_state, sin
 def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
     graphdef, state = model_state
     config = CONFIG.replace(ppo=CONFIG.ppo.replace(decoupled=False))
-    step = TrainStep(graphdef, state, config, single_device_mesh())
+    step = TrainStep(graphdef, state, config, single_device_mesh(), temperature=TEMPERATURE)
     (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
     params, opt_state = step.init(state)
     # lowered, not compiled (a compile costs seconds here): the program and its statistics
@@ -179,9 +180,9 @@ def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
 def test_train_step_refuses_bf16_master_params_and_rows_that_do_not_split():
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(TINY.replace(param_dtype="bfloat16"), nnx.Rngs(0))))
     with pytest.raises(ValueError, match="param_dtype is 'bfloat16'"):
-        TrainStep(graphdef, state, CONFIG, single_device_mesh())
+        TrainStep(graphdef, state, CONFIG, single_device_mesh(), temperature=TEMPERATURE)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(TINY, nnx.Rngs(0))))
-    step = TrainStep(graphdef, state, CONFIG, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    step = TrainStep(graphdef, state, CONFIG, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), temperature=TEMPERATURE)
     rows_6 = PackedBatch(*(np.zeros((1, 6, 8), np.int32) for _ in PackedBatch._fields))
     with pytest.raises(ValueError, match="6 rows, not divisible by the data\\*fsdp shards \\(4\\)"):
         step.put_batch(rows_6)
@@ -189,7 +190,9 @@ def test_train_step_refuses_bf16_master_params_and_rows_that_do_not_split():
 
 def test_bf16_compute_keeps_fp32_params_and_adam_state(model_state, single_step):
     graphdef, state = model_state
-    step = TrainStep(graphdef, state, CONFIG.replace(compute_dtype="bfloat16"), single_device_mesh())
+    step = TrainStep(
+        graphdef, state, CONFIG.replace(compute_dtype="bfloat16"), single_device_mesh(), temperature=TEMPERATURE
+    )
     assert step.model_config.compute_dtype == "bfloat16"
     params, opt_state = step.init(state)
     assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}

@@ -18,7 +18,7 @@ from areal_jax.trainer.batching import build_batch, split_minibatches
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
 from areal_jax.trainer.train_step import learning_rate_schedule
 from areal_jax.trainer.trainer import Trainer
-from tests.test_train_step import CONFIG, make_trajectories, single_device_mesh, tiny_model_state
+from tests.test_train_step import CONFIG, TEMPERATURE, make_trajectories, single_device_mesh, tiny_model_state
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -41,7 +41,7 @@ def _trajectory(tokens, prompt_length, behav, versions, reward, group_id, sample
 @pytest.fixture(scope="module")
 def trainer():
     graphdef, state = tiny_model_state()
-    return Trainer(nnx.merge(graphdef, state), CONFIG, single_device_mesh())
+    return Trainer(nnx.merge(graphdef, state), CONFIG, single_device_mesh(), temperature=TEMPERATURE)
 
 
 def test_batching_shifts_targets_and_per_token_data_by_one():
@@ -167,6 +167,7 @@ def test_ppo_minibatches_make_several_updates_and_stats_cover_the_step():
         single_device_mesh(),
         publish=lambda params, version: published.append((version, params)),
         version=5,
+        temperature=TEMPERATURE,
     )
     trajectories = make_trajectories(np.random.default_rng(12), 16, lengths=(4, 24), version=5)
     stats = trainer.step(trajectories)
@@ -184,7 +185,7 @@ def test_ppo_learns_a_synthetic_task():
     come from the continuous-batching generator; each new version is copied into it before the next round."""
     graphdef, state = tiny_model_state()
     config = CONFIG.replace(optimizer=CONFIG.optimizer.replace(lr=1e-2))
-    trainer = Trainer(nnx.merge(graphdef, state), config, single_device_mesh())
+    trainer = Trainer(nnx.merge(graphdef, state), config, single_device_mesh(), temperature=TEMPERATURE)
     engine = Engine(nnx.merge(graphdef, state), EngineConfig(max_slots=32, max_length=16))
     rng = np.random.default_rng(0)
     mean_rewards = []
@@ -196,7 +197,7 @@ def test_ppo_learns_a_synthetic_task():
         trainer.publish = publish
         for round_index in range(20):
             prompts = [[int(x) for x in rng.integers(1, 64, 3)] for _ in range(8)]
-            sampling = SamplingParams(temperature=config.temperature, max_new_tokens=1)
+            sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=1)
             futures = [
                 generator.submit(p, sampling.replace(seed=round_index * 8 + i), n=4) for i, p in enumerate(prompts)
             ]

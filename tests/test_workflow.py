@@ -32,7 +32,7 @@ from areal_jax.rollout.environments import (
     arithmetic_prompt_record,
     arithmetic_reward_fn,
 )
-from areal_jax.rollout.workflow import MultiTurnConfig, MultiTurnWorkflow, RLVRWorkflow, TurnRenderer, WorkflowConfig
+from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, TurnRenderer, WorkflowConfig
 from tests.engine_fixtures import TINY
 from tests.test_tokenizer import build_tokenizer_dir
 
@@ -218,10 +218,10 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="n_samples"):
         WorkflowConfig(n_samples=0)
     with pytest.raises(ConfigError, match="max_turns"):
-        MultiTurnConfig(max_turns=0)
+        WorkflowConfig(max_turns=0)
     for discount in (0.0, 1.5):
         with pytest.raises(ConfigError, match="turn_discount"):
-            MultiTurnConfig(turn_discount=discount)
+            WorkflowConfig(turn_discount=discount)
 
 
 # ---------------------------------------------------------------------------------------------- multi turn
@@ -262,7 +262,7 @@ def _rebuild(generator: RecordingGenerator, task_id: str, traj, replies: list[st
 @pytest.mark.parametrize(("done_at", "max_turns", "turns", "end"), [(3, 4, 3, "done"), (None, 2, 2, "max_turns")])
 def test_multi_turn_is_token_in_token_out(generator, done_at, max_turns, turns, end):
     env = ScriptedEnv(done_at)
-    config = MultiTurnConfig(n_samples=2, sampling=STOP_QUICKLY, max_turns=max_turns, turn_discount=0.5)
+    config = WorkflowConfig(n_samples=2, sampling=STOP_QUICKLY, max_turns=max_turns, turn_discount=0.5)
     task_id = f"mt-{end}"
     with MultiTurnWorkflow(config, TOKENIZER, env) as workflow:
         trajectories = asyncio.run(workflow.run(generator, _task(task_id), group_id=0))
@@ -307,7 +307,7 @@ def test_multi_turn_keeps_each_turns_policy_version(generator):
             generator.update_params(generator.model_state, version + 1).result(timeout=60)
             return super().step(task, history, completion)
 
-    config = MultiTurnConfig(n_samples=1, sampling=STOP_QUICKLY, max_turns=2)
+    config = WorkflowConfig(n_samples=1, sampling=STOP_QUICKLY, max_turns=2)
     with MultiTurnWorkflow(config, TOKENIZER, PublishingEnv(None)) as workflow:
         (traj,) = asyncio.run(workflow.run(generator, _task("mt-version"), group_id=0))
     assert traj.metadata["num_turns"] == 2
@@ -321,7 +321,7 @@ def test_multi_turn_keeps_each_turns_policy_version(generator):
 def test_multi_turn_truncated_turn_ends_the_episode(generator):
     env = ScriptedEnv(None)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=3, seed=8)
-    config = MultiTurnConfig(
+    config = WorkflowConfig(
         n_samples=2, sampling=sampling, stop_at_tokenizer_stops=False, max_turns=3, truncation="mask"
     )
     with MultiTurnWorkflow(config, TOKENIZER, env) as workflow:
@@ -333,7 +333,7 @@ def test_multi_turn_truncated_turn_ends_the_episode(generator):
 
 
 def test_multi_turn_stops_when_the_context_is_full(generator):
-    config = MultiTurnConfig(n_samples=1, sampling=STOP_QUICKLY, max_turns=100)
+    config = WorkflowConfig(n_samples=1, sampling=STOP_QUICKLY, max_turns=100)
     with MultiTurnWorkflow(config, TOKENIZER, ScriptedEnv(None)) as workflow:
         (traj,) = asyncio.run(workflow.run(generator, _task("mt-full"), group_id=0))
     assert traj.metadata["end_reason"] == "context_full"
@@ -343,7 +343,7 @@ def test_multi_turn_stops_when_the_context_is_full(generator):
 
 def test_math_retry_environment_in_the_loop(generator):
     env = MathRetryEnvironment(arithmetic_reward_fn, retry_message=RETRY)
-    config = MultiTurnConfig(n_samples=2, sampling=STOP_QUICKLY, max_turns=2, turn_discount=0.9)
+    config = WorkflowConfig(n_samples=2, sampling=STOP_QUICKLY, max_turns=2, turn_discount=0.9)
     with MultiTurnWorkflow(config, TOKENIZER, env) as workflow:
         trajectories = asyncio.run(workflow.run(generator, _task("mt-math"), group_id=0))
     retry = TOKENIZER.encode(f"\nQ: {RETRY}\nA: ")

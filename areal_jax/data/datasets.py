@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from etils import epath
+
 from areal_jax.configuration import Config, ConfigError, option
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ MAPPINGS: dict[str, FieldMapping] = {
 class DatasetConfig(Config):
     """One prompt file and how to read it."""
 
-    path: str = option(doc="a .jsonl or .parquet file")
+    path: str = option(doc="a .jsonl or .parquet file: a local path or gs://bucket/... (read through etils.epath)")
     mapping: str = option("", doc=f"a ready mapping ({', '.join(MAPPINGS)}); empty means use `fields`")
     fields: FieldMapping = option(default_factory=FieldMapping, doc="the field mapping when `mapping` is empty")
     format: Literal["auto", "jsonl", "parquet"] = option("auto", doc="file format; auto goes by the suffix")
@@ -141,9 +143,10 @@ class _RowProblem(Exception):
 # ---------------------------------------------------------------------------------------------- readers
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _RowProblem]]:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, start=1):
+def _jsonl_rows(path: epath.Path) -> Iterator[tuple[int, dict[str, Any] | _RowProblem]]:
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8", errors="replace")
             if not line.strip():
                 continue
             try:
@@ -157,14 +160,15 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _RowProblem]
             yield line_no, row
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | _RowProblem]]:
+def _parquet_rows(path: epath.Path) -> Iterator[tuple[int, dict[str, Any] | _RowProblem]]:
     import pyarrow.parquet as pq
 
     row_no = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            row_no += 1
-            yield row_no, row
+    with path.open("rb") as f:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                row_no += 1
+                yield row_no, row
 
 
 # ---------------------------------------------------------------------------------------------- mapping
@@ -240,9 +244,9 @@ def to_record(row: Mapping[str, Any], fields: FieldMapping, source: str, default
 
 def load_prompts(config: DatasetConfig) -> PromptDataset:
     """Read `config.path` into a `PromptDataset`, refusing or skipping malformed rows as configured."""
-    path = Path(config.path)
+    path = epath.Path(config.path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"dataset file {config.path!r} does not exist")
     fmt = config.format if config.format != "auto" else path.suffix.lstrip(".")
     rows = _jsonl_rows(path) if fmt == "jsonl" else _parquet_rows(path)
     fields = config.field_mapping()
@@ -255,7 +259,7 @@ def load_prompts(config: DatasetConfig) -> PromptDataset:
                 raise row
             records.append(to_record(row, fields, source, f"{path.stem}-{line}"))
         except _RowProblem as problem:
-            error = RowError(str(path), line, str(problem))
+            error = RowError(config.path, line, str(problem))
             if config.on_error == "raise":
                 raise MalformedRowError(error) from None
             skipped.append(error)

@@ -21,7 +21,9 @@ saved state must still exist when it is restored.
 Multi-host. Process i of n keeps the groups with `group_id % n == i` (record-level slicing): every process
 reads every shard (trajectories are small) and a group never straddles two processes, so group
 advantages only need local data. Stopping. Each iterator ends (StopIteration) when `stop_event` is set
-(checked at least every `poll_max_s`), after `idle_timeout_s` without a new shard, or when it is closed;
+(checked at least every `poll_max_s`), once `writers_done` is set and no unread shard is left (the
+writers finished: the stream ends after their last shard), after `idle_timeout_s` without a new shard, or
+when it is closed;
 set the event before closing an iterator whose prefetch thread may be waiting for data.
 Staleness is computed when the filter stage pulls a record, up to `prefetch_batches` batches before the
 trainer consumes it.
@@ -54,11 +56,18 @@ Position = tuple[str, int]
 class PipelineConfig(Config):
     """Grouping, batching, the staleness bound, prefetch depth and how the log is tailed."""
 
-    group_size: int = option(8, ge=1, doc="samples per prompt (n); a group is complete when all n have arrived")
+    group_size: int | None = option(
+        None,
+        ge=1,
+        doc="samples per prompt (n); a group is complete when all n have arrived; null = the run's "
+        "rollout.workflow.n_samples",
+    )
     min_group_size: int | None = option(
         None, ge=1, doc="emit a group that lost samples to the staleness filter if this many remain; null = all"
     )
-    groups_per_batch: int = option(4, ge=1, doc="groups per training batch")
+    groups_per_batch: int | None = option(
+        None, ge=1, doc="groups per training batch; null = the run's rollout.staleness.batch_prompts"
+    )
     max_staleness: int | None = option(
         None, ge=0, doc="drop samples whose staleness (trainer version - oldest token version) exceeds this"
     )
@@ -76,7 +85,7 @@ class PipelineConfig(Config):
     )
 
     def validate(self) -> None:
-        if self.min_group_size is not None and self.min_group_size > self.group_size:
+        if self.min_group_size is not None and self.group_size is not None and self.min_group_size > self.group_size:
             raise ConfigError("min_group_size", f"value {self.min_group_size} exceeds group_size={self.group_size}")
         if self.poll_initial_s > self.poll_max_s:
             raise ConfigError("poll_initial_s", f"value {self.poll_initial_s} exceeds poll_max_s={self.poll_max_s}")
@@ -96,6 +105,7 @@ class RolloutLogDataset(grain.IterDataset):
         process_index: int = 0,
         process_count: int = 1,
         stop_event: threading.Event | None = None,
+        writers_done: threading.Event | None = None,
     ):
         super().__init__()
         if not 0 <= process_index < process_count:
@@ -105,6 +115,7 @@ class RolloutLogDataset(grain.IterDataset):
         self.process_index = process_index
         self.process_count = process_count
         self.stop_event = stop_event
+        self.writers_done = writers_done
 
     def __iter__(self) -> RolloutLogIterator:
         return RolloutLogIterator(self)
@@ -169,12 +180,16 @@ class RolloutLogIterator(grain.DatasetIterator):
         while True:
             if self._stopped():
                 raise StopIteration
+            # read before listing: a shard committed before the writers finished is in this listing
+            writers_done = self._ds.writers_done is not None and self._ds.writers_done.is_set()
             shard = self._pick()
             if shard is None:
                 self._refresh()
                 shard = self._pick()
             if shard is not None:
                 return shard
+            if writers_done:
+                raise StopIteration  # every shard there will ever be has been read
             waited = time.monotonic() - idle_since
             if config.idle_timeout_s is not None and waited >= config.idle_timeout_s:
                 logger.info("no new rollout-log shard in %s for %.1f s; ending", self._ds.directory, waited)
@@ -468,6 +483,7 @@ def build_pipeline(
     process_index: int = 0,
     process_count: int = 1,
     stop_event: threading.Event | None = None,
+    writers_done: threading.Event | None = None,
 ) -> grain.IterDataset:
     """The pipeline of the module docstring over the rollout log in `directory`.
 
@@ -476,8 +492,15 @@ def build_pipeline(
     `batch_fn` if given. `trainer_version` is required when `config.max_staleness` is set; with prefetch it
     is called from the prefetch thread, so it must be thread-safe (reading an int attribute is).
     """
+    if config.group_size is None or config.groups_per_batch is None:
+        raise ValueError(f"the pipeline needs group_size and groups_per_batch, got {config}")
     source = RolloutLogDataset(
-        directory, config, process_index=process_index, process_count=process_count, stop_event=stop_event
+        directory,
+        config,
+        process_index=process_index,
+        process_count=process_count,
+        stop_event=stop_event,
+        writers_done=writers_done,
     )
     checked = StalenessFilterDataset(source, config.max_staleness, trainer_version)
     groups = GroupDataset(
@@ -519,3 +542,46 @@ def pipeline_stats(state: dict[str, Any]) -> dict[str, Any]:
         **{key: _find(state, key) or 0 for key in ("emitted", "dropped_groups", "evicted", "duplicates")},
         "unreadable": _find(state, "problems") or 0,
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class SetAside:
+    """What `set_aside_unread` did: shards moved out of the log, and the groups still to be read from it."""
+
+    shards: int
+    records: int
+    unread_group_ids: frozenset[int]
+
+
+def _log_state(state: dict[str, Any]) -> dict[str, Any]:
+    while "next_shard" not in state:
+        state = state["parent"]
+    return state
+
+
+def set_aside_unread(
+    directory: str | os.PathLike[str], state: dict[str, Any], into: str | os.PathLike[str]
+) -> SetAside:
+    """Move every shard that a pipeline at `state` has not started reading into `into` (out of the log,
+    kept for inspection), so the log ends where the state is. The rest of a shard it is partway through
+    stays; its group ids are returned, as those groups will still be read."""
+    log = _log_state(state)
+    next_shard = {str(k): int(v) for k, v in log["next_shard"].items()}
+    current = ShardName.parse(log["shard"]) if log["shard"] is not None else None
+    moved = records = 0
+    for shard in list_shards(directory):
+        if shard == current or shard.shard_seq < next_shard.get(shard.writer_id, 0):
+            continue
+        os.makedirs(into, exist_ok=True)
+        os.replace(os.path.join(directory, shard.name), os.path.join(into, shard.name))
+        moved, records = moved + 1, records + shard.num_records
+    unread: set[int] = set()
+    if current is not None:
+        entries, _ = read_shard(directory, current, int(log["record"]))
+        unread = {entry.trajectory.group_id for entry in entries}
+    return SetAside(moved, records, frozenset(unread))
+
+
+def open_group_ids(state: dict[str, Any]) -> set[int]:
+    """Group ids of the incomplete groups a pipeline state holds."""
+    return {int(group_id) for _, group_id, _, _ in _find(state, "open_groups") or []}

@@ -10,7 +10,9 @@
   place; the decode state is donated), samples each slot's next token, and returns the tokens it fed
   with their behaviour log-probs. A slot's first `generate` thus emits the token sampled at insert.
 
-Params are versioned (`VersionedParams`); the version is host-side bookkeeping for the generator.
+The decoder's logits arrive with ids past the model's `vocab_limit` masked, so no slot ever samples
+an id the tokenizer cannot decode. Params are versioned (`VersionedParams`); the version is host-side
+bookkeeping for the generator.
 Legend: S slots, T cache length, V vocab, Y layers, K kv heads, H head dim.
 """
 

@@ -1,15 +1,25 @@
 """The continuous-batching driver: a request queue feeding engine slots, refilled as soon as any
 sequence finishes, with interruptible weight updates.
 
-One background thread owns the engine and its decode state; callers submit requests from any thread
-(`submit`) or coroutine (`await generate(...)`). Each loop iteration, between two decode steps:
-  1. applies a pending weight update: with `interrupt=True`, every in-flight sample drops its slot (its
+Ownership: one background thread, the loop, owns the engine's decode state and all bookkeeping (the
+prefill queue, the slots, the in-flight requests, pending updates and aborts, the stats); no other
+thread reads or writes them. Callers on any thread (`submit`, `abort`, `update_params`, `pause`,
+`resume`, `close`) or coroutine (`await generate(...)`) only post command objects to the loop's inbox,
+the one locked object they share with it, and hear back through futures. The only other shared value is
+the in-flight count behind `num_in_flight`, a counter under its own lock. `stats`, `params` and
+`version` are written by the loop alone; another thread reading them sees a recent value.
+
+The loop blocks on the inbox while it has nothing to do. Each iteration, between two decode steps, it:
+  1. takes every posted command: registers submitted requests, records aborts, queues weight updates,
+     pauses or resumes; while paused it does nothing else;
+  2. finishes aborted requests' samples with reason 'abort';
+  3. applies a pending weight update: with `interrupt=True`, every in-flight sample drops its slot (its
      KV cache was made with the old weights) and is queued first for a re-prefill of prompt + tokens
      generated so far; with `interrupt=False`, admission stops until in-flight samples finish on the
      old weights, then the weights are swapped;
-  2. admits queued work into free slots (a new request's n samples share one prefill; a prefill call's
+  4. admits queued work into free slots (a new request's n samples share one prefill; a prefill call's
      spare rows go to prompts still queued in the same length bucket, so their admission is an insert);
-  3. runs one decode step over all slots and hands each emitted token to its sample, which checks its
+  5. runs one decode step over all slots and hands each emitted token to its sample, which checks its
      stop conditions.
 Every output token keeps the behaviour log-prob and the policy version it was sampled with.
 """
@@ -108,11 +118,100 @@ class _PrefillJob:
     prefix_version: int = -1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
+class _Submit:
+    request: _Request
+
+
+@dataclasses.dataclass(eq=False)
+class _Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(eq=False)
 class _Update:
     params: VersionedParams
     interrupt: bool
     done: concurrent.futures.Future
+
+
+@dataclasses.dataclass(eq=False)
+class _Pause:
+    idle: threading.Event  # set by the loop once it has stopped between two steps
+
+
+class _Resume:
+    pass
+
+
+class _Close:
+    pass
+
+
+_Command = _Submit | _Abort | _Update | _Pause | _Resume | _Close
+
+
+class _Inbox:
+    """The loop's only link to other threads: any thread posts commands, the loop takes all of them at
+    once. Once shut (closed, or the loop failed) it refuses new commands."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._commands: list[_Command] = []
+        self._shut = False
+        self._error: BaseException | None = None
+
+    def post(self, command: _Command) -> None:
+        """Deliver `command`; raises RuntimeError when the generator is closed or its loop failed."""
+        with self._cond:
+            if self._error is not None:
+                raise RuntimeError("generator loop failed") from self._error
+            if self._shut:
+                raise RuntimeError("generator is closed")
+            self._commands.append(command)
+            self._cond.notify()
+
+    def offer(self, command: _Command) -> bool:
+        """Deliver `command` unless the inbox is shut; True when delivered."""
+        with self._cond:
+            if self._shut:
+                return False
+            self._commands.append(command)
+            self._cond.notify()
+            return True
+
+    def take(self, block: bool) -> list[_Command]:
+        """Every command posted so far, in order; with `block`, waits for at least one."""
+        with self._cond:
+            while block and not self._commands:
+                self._cond.wait()
+            commands, self._commands = self._commands, []
+        return commands
+
+    def close(self) -> None:
+        """Refuse new commands; the loop stops after those already posted."""
+        with self._cond:
+            if not self._shut:
+                self._shut = True
+                self._commands.append(_Close())
+                self._cond.notify()
+
+    def shut(self, error: BaseException | None) -> list[_Command]:
+        """Refuse new commands (naming `error` when the loop failed); returns those never taken."""
+        with self._cond:
+            self._shut = True
+            self._error = self._error or error
+            commands, self._commands = self._commands, []
+        return commands
+
+
+def _resolve(future: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
+    """Answer `future` unless its caller already cancelled it."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
 
 @dataclasses.dataclass
@@ -145,26 +244,27 @@ class Generator:
         self.stats = GeneratorStats()
         self._seed = seed
         self._ids = itertools.count()
-        self._cond = threading.Condition()
+        self._inbox = _Inbox()
+        self._in_flight = 0  # submitted requests not yet answered, under its own lock
+        self._in_flight_lock = threading.Lock()
+        # owned by the loop thread
         self._jobs: collections.deque[_PrefillJob] = collections.deque()
         self._updates: collections.deque[_Update] = collections.deque()
         self._aborts: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self._slots: list[_Sample | None] = [None] * engine.max_concurrent_decodes
         self._paused = False
-        self._idle_ack = threading.Event()
-        self._closed = False
-        self._error: BaseException | None = None
         self._decode_state: DecodeState = engine.init_decode_state()
         self._thread = threading.Thread(target=self._run, name="areal-generator", daemon=True)
         self._thread.start()
 
-    # -- public API ------------------------------------------------------------------------------
+    # -- public API: each call posts a command to the loop -----------------------------------------
 
     def submit(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
     ) -> concurrent.futures.Future[list[GenerationResult]]:
-        """Queue a prompt for n samples; the future resolves with the n results, in sample order."""
+        """Queue a prompt for n samples; the future resolves with the n results, in sample order (or
+        fails with ValueError when `request_id` is already in flight)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         prompt = tuple(int(t) for t in prompt_ids)
@@ -174,13 +274,12 @@ class Generator:
         request = _Request(request_id, prompt, sampling, n, future, time.perf_counter())
         request_seed = sampling.seed if sampling.seed is not None else _mix(self._seed, next(self._ids))
         request.samples = [_Sample(request, i, (request_seed, i)) for i in range(n)]
-        with self._cond:
-            self._check_open()
-            if request_id in self._requests:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            self._requests[request_id] = request
-            self._jobs.append(_PrefillJob(prompt, collections.deque(request.samples)))
-            self._cond.notify_all()
+        self._count_in_flight(1)
+        try:
+            self._inbox.post(_Submit(request))
+        except RuntimeError:
+            self._count_in_flight(-1)
+            raise
         return future
 
     async def generate(
@@ -196,31 +295,22 @@ class Generator:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its samples finish with reason 'abort' and the tokens generated so far."""
-        with self._cond:
-            self._aborts.add(request_id)
-            self._cond.notify_all()
+        self._inbox.offer(_Abort(request_id))
 
     def pause(self) -> None:
         """Stop admitting and decoding (in-flight samples keep their slots); returns once the loop is idle."""
-        with self._cond:
-            self._paused = True
-            self._idle_ack.clear()
-            self._cond.notify_all()
-        self._idle_ack.wait()
+        idle = threading.Event()
+        if self._inbox.offer(_Pause(idle)):
+            idle.wait()
 
     def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
+        self._inbox.offer(_Resume())
 
     def update_params(self, state: nnx.State, version: int, interrupt: bool = True) -> concurrent.futures.Future:
         """Swap in new weights between two decode steps; the future resolves once they are in use."""
         params = self.engine.load_params(state, version)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._check_open()
-            self._updates.append(_Update(params, interrupt, done))
-            self._cond.notify_all()
+        self._inbox.post(_Update(params, interrupt, done))
         return done
 
     @property
@@ -228,13 +318,11 @@ class Generator:
         return self.params.version
 
     def num_in_flight(self) -> int:
-        with self._cond:
-            return len(self._requests)
+        with self._in_flight_lock:
+            return self._in_flight
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self._inbox.close()
         self._thread.join()
 
     def __enter__(self) -> Generator:
@@ -243,55 +331,87 @@ class Generator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the loop ----------------------------------------------------------------------------------
+    def _count_in_flight(self, delta: int) -> None:
+        with self._in_flight_lock:
+            self._in_flight += delta
 
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("generator loop failed") from self._error
-        if self._closed:
-            raise RuntimeError("generator is closed")
+    # -- the loop: everything below runs on the loop thread only -------------------------------------
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            while self._take_commands(block=not self._has_work()):
+                if not self._paused:
+                    self._iterate()
+        except BaseException as err:  # surface loop failures to every waiter
+            logger.exception("generator loop failed")
+            error = err
+        finally:
+            self._shut_down(error)
+
+    def _take_commands(self, block: bool) -> bool:
+        """Handle every posted command (waiting for one when `block`); False once the generator is closed."""
+        for command in self._inbox.take(block):
+            match command:
+                case _Submit(request):
+                    self._register(request)
+                case _Abort(request_id):
+                    self._aborts.add(request_id)
+                case _Update():
+                    self._updates.append(command)
+                case _Pause(idle):
+                    self._paused = True
+                    idle.set()  # the previous step is over and no other starts until resume
+                case _Resume():
+                    self._paused = False
+                case _Close():
+                    return False
+        return True
+
+    def _has_work(self) -> bool:
+        return not self._paused and bool(self._jobs or self._updates or self._aborts or self._has_active())
 
     def _has_active(self) -> bool:
         return any(s is not None for s in self._slots)
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._closed and (
-                        self._paused or not (self._jobs or self._updates or self._aborts or self._has_active())
-                    ):
-                        if self._paused:
-                            self._idle_ack.set()
-                        self._cond.wait()
-                    if self._closed:
-                        break
-                    aborts, self._aborts = self._aborts, set()
-                    update = self._updates[0] if self._updates else None
-                self._apply_aborts(aborts)
-                if update is not None and self._try_apply_update(update):
-                    with self._cond:
-                        self._updates.popleft()
-                    continue
-                if update is None or update.interrupt:
-                    self._admit()
-                if self._has_active():
-                    self._step()
-        except BaseException as err:  # surface loop failures to every waiter
-            logger.exception("generator loop failed")
-            self._error = err
-            with self._cond:
-                for request in self._requests.values():
-                    if not request.future.done():
-                        request.future.set_exception(err)
-                for upd in self._updates:
-                    upd.done.set_exception(err)
-        finally:
-            self._idle_ack.set()
-            with self._cond:
-                for request in self._requests.values():
-                    if not request.future.done():
-                        request.future.set_exception(RuntimeError("generator closed"))
+    def _iterate(self) -> None:
+        aborts, self._aborts = self._aborts, set()
+        self._apply_aborts(aborts)
+        update = self._updates[0] if self._updates else None
+        if update is not None and self._try_apply_update(update):
+            self._updates.popleft()
+            return
+        if update is None or update.interrupt:
+            self._admit()
+        if self._has_active():
+            self._step()
+
+    def _register(self, request: _Request) -> None:
+        if request.request_id in self._requests:
+            self._count_in_flight(-1)
+            _resolve(request.future, error=ValueError(f"request id {request.request_id!r} is already in flight"))
+            return
+        self._requests[request.request_id] = request
+        self._jobs.append(_PrefillJob(request.prompt_ids, collections.deque(request.samples)))
+
+    def _shut_down(self, error: BaseException | None) -> None:
+        """Refuse further commands and answer everyone still waiting: with `error` when the loop failed."""
+        failure = error if error is not None else RuntimeError("generator closed")
+        requests, updates = list(self._requests.values()), list(self._updates)
+        for command in self._inbox.shut(error):
+            match command:
+                case _Submit(request):
+                    requests.append(request)
+                case _Update():
+                    updates.append(command)
+                case _Pause(idle):
+                    idle.set()
+        for request in requests:
+            _resolve(request.future, error=failure)
+        for update in updates:
+            _resolve(update.done, error=failure)
+        self._requests.clear()
+        self._count_in_flight(-len(requests))
 
     def _try_apply_update(self, update: _Update) -> bool:
         """Apply `update` now if its mode allows; True when applied."""
@@ -311,7 +431,7 @@ class Generator:
             job.prefix = None  # prefixes made with the old weights
         self.params = update.params
         self.stats.updates += 1
-        update.done.set_result(update.params.version)
+        _resolve(update.done, update.params.version)
         logger.debug("weights v%d in use (interrupt=%s)", update.params.version, update.interrupt)
         return True
 
@@ -335,17 +455,15 @@ class Generator:
         if self.admission == "static" and self._has_active():
             return
         free = [slot for slot, s in enumerate(self._slots) if s is None]
-        with self._cond:
-            jobs = list(self._jobs)
         placed: list[tuple[_PrefillJob, _Sample, int]] = []
-        for job in jobs:
+        for job in self._jobs:
             for sample in itertools.islice(job.samples, len(free) - len(placed)):
                 placed.append((job, sample, free[len(placed)]))
             if len(placed) == len(free):
                 break
         if not placed:
             return
-        self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], jobs)
+        self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], self._jobs)
         by_prefix: dict[int, list[tuple[_PrefillJob, _Sample, int]]] = collections.defaultdict(list)
         for entry in placed:
             by_prefix[id(entry[0].prefix[0])].append(entry)
@@ -371,8 +489,7 @@ class Generator:
                 sample.slot = slot
                 sample.pending_version = job.prefix_version
                 self._slots[slot] = sample
-        with self._cond:
-            self._jobs = collections.deque(job for job in self._jobs if job.samples)
+        self._jobs = collections.deque(job for job in self._jobs if job.samples)
 
     def _prefill_jobs(self, jobs: list[_PrefillJob], queue: Sequence[_PrefillJob]) -> None:
         """Prefill `jobs` in batches of one length bucket; each job keeps (its batch, its row). A call's
@@ -461,7 +578,6 @@ class Generator:
             },
         )
         if all(s.result is not None for s in request.samples):
-            with self._cond:
-                self._requests.pop(request.request_id, None)
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # the caller cancelled it
-                request.future.set_result([s.result for s in request.samples])
+            del self._requests[request.request_id]
+            self._count_in_flight(-1)
+            _resolve(request.future, [s.result for s in request.samples])

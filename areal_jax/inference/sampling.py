@@ -7,11 +7,13 @@ Per row (request slot) with temperature tau, top-k k and top-p p:
      (p = 1: all); ties with the last kept value are kept too;
   4. the token is drawn from softmax(z) restricted to the kept set, and its reported log-prob is
      log softmax over the kept set: the *behaviour* distribution actually sampled.
-The trainer's recomputed log-probs (`Decoder.token_logprobs` at the same tau) are over the full
-vocabulary, so with plain temperature sampling behaviour and trainer log-probs agree exactly; with
-top-k/top-p the behaviour log-prob is larger by log(mass of the kept set), and the decoupled
-objective's importance weight pi_prox / pi_behav then accounts for the truncation (see
-docs/sampling.md). Greedy tokens report their log-prob under softmax(logits) (tau = 1, no truncation).
+The decoder already masks the logits of padded embedding rows (ids >= `ModelConfig.vocab_limit`), so
+they get no mass here, and the trainer's recomputed log-probs (`Decoder.token_logprobs` at the same
+tau) are over the same usable vocabulary. With plain temperature sampling behaviour and trainer
+log-probs therefore agree exactly; with top-k/top-p the behaviour log-prob is larger by log(mass of
+the kept set), and the decoupled objective's importance weight pi_prox / pi_behav then accounts for
+the truncation (see docs/sampling.md). Greedy tokens report their log-prob under softmax(logits)
+(tau = 1, no truncation).
 """
 
 from __future__ import annotations

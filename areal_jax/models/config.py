@@ -35,6 +35,12 @@ class ModelConfig(Config):
 
     family: Literal["qwen2", "qwen3", "llama"] = option("qwen2", doc="HF architecture family")
     vocab_size: int = option(256, ge=1, doc="number of token ids")
+    vocab_limit: int | None = option(
+        None,
+        ge=1,
+        doc="token ids usable by the tokenizer: logits of ids >= this are masked out in sampling and scoring; "
+        "null = vocab_size",
+    )
     hidden_size: int = option(64, ge=1, doc="model width D")
     intermediate_size: int = option(128, ge=1, doc="SwiGLU hidden width F")
     num_layers: int = option(2, ge=1, doc="decoder layers")
@@ -65,10 +71,17 @@ class ModelConfig(Config):
             )
         if self.resolved_head_dim % 2:
             raise ConfigError("head_dim", f"value {self.resolved_head_dim} must be even for RoPE")
+        if self.vocab_limit is not None and self.vocab_limit > self.vocab_size:
+            raise ConfigError("vocab_limit", f"value {self.vocab_limit} must not exceed vocab_size={self.vocab_size}")
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def usable_vocab(self) -> int:
+        """Token ids the model may emit and scores over: vocab_limit, or every id."""
+        return self.vocab_size if self.vocab_limit is None else self.vocab_limit
 
     @property
     def param_jnp_dtype(self) -> jnp.dtype:

@@ -6,7 +6,8 @@
 (c) `decode_step`: one token per slot against a slot-indexed KV cache, written in place.
 
 Layers are stacked along a leading "layers" axis and run with `lax.scan`, so compile time does not
-grow with depth.
+grow with depth. Every path masks the logits of embedding rows past the tokenizer (`vocab_limit`) with
+`mask_padded_vocab`, so nothing samples them and every softmax is over the same usable ids.
 
 Legend: B batch rows (or cache slots), T length, S cache length, D model width, V vocab,
 Y layers, K key/value heads, H head dim, C chunk length.
@@ -31,6 +32,19 @@ _REMAT_POLICIES: dict[str, Any] = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+# A finite stand-in for -inf: its exp underflows to exactly 0 in fp32, yet 0 * MASKED_LOGIT is 0 (in
+# the entropy and in gradients), where 0 * -inf would be nan.
+MASKED_LOGIT = -1e30
+
+
+def mask_padded_vocab(logits_xV: jax.Array, usable_vocab: int) -> jax.Array:
+    """`logits_xV` with every id >= `usable_vocab` set to MASKED_LOGIT; unchanged (no op) when nothing
+    is padded."""
+    if usable_vocab >= logits_xV.shape[-1]:
+        return logits_xV
+    ids_xV = jax.lax.broadcasted_iota(jnp.int32, logits_xV.shape, logits_xV.ndim - 1)
+    return jnp.where(ids_xV < usable_vocab, logits_xV, MASKED_LOGIT)
 
 
 @flax.struct.dataclass
@@ -122,7 +136,8 @@ class Decoder(nnx.Module):
     def logits(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
         """Full fp32 logits [B, T, V]; for tests and short inputs (training uses `token_logprobs`)."""
         h_BxTxD = self.hidden_states(tokens_BxT, segment_ids_BxT, positions_BxT)
-        return jnp.einsum("btd,dv->btv", h_BxTxD, self.head_kernel(), preferred_element_type=jnp.float32)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, self.head_kernel(), preferred_element_type=jnp.float32)
+        return mask_padded_vocab(logits_BxTxV, self.config.usable_vocab)
 
     def token_logprobs(
         self,
@@ -132,9 +147,13 @@ class Decoder(nnx.Module):
         positions_BxT: jax.Array,
         temperature: float | jax.Array = 1.0,
     ) -> tuple[jax.Array, jax.Array]:
-        """(log p(target | prefix), entropy) per token, both [B, T] fp32, at the given temperature."""
+        """(log p(target | prefix), entropy) per token, both [B, T] fp32, at the given temperature, over
+        the usable vocabulary."""
         h_BxTxD = self.hidden_states(tokens_BxT, segment_ids_BxT, positions_BxT)
-        return chunked_logprobs(h_BxTxD, self.head_kernel(), targets_BxT, self.config.logprob_chunk, temperature)
+        cfg = self.config
+        return chunked_logprobs(
+            h_BxTxD, self.head_kernel(), targets_BxT, cfg.logprob_chunk, temperature, cfg.usable_vocab
+        )
 
     # -- (b) prefill --------------------------------------------------------------------------
 
@@ -167,7 +186,7 @@ class Decoder(nnx.Module):
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return logits_BxV, KVCache(k=k_YxBxTxKxH, v=v_YxBxTxKxH)
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=k_YxBxTxKxH, v=v_YxBxTxKxH)
 
     # -- (c) decode ---------------------------------------------------------------------------
 
@@ -202,7 +221,7 @@ class Decoder(nnx.Module):
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return logits_BxV, cache
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), cache
 
 
 def chunked_logprobs(
@@ -211,13 +230,16 @@ def chunked_logprobs(
     targets_BxT: jax.Array,
     chunk: int,
     temperature: float | jax.Array = 1.0,
+    usable_vocab: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Log-prob of each target and the entropy of each position's distribution, [B, T] fp32.
+    """Log-prob of each target and the entropy of each position's distribution, [B, T] fp32, over the
+    first `usable_vocab` ids (null: all).
 
     The sequence is cut into chunks of `chunk` tokens; each chunk's [B, C, V] logits are built, reduced
     and dropped (and rebuilt in the backward pass), so memory is O(B * C * V), not O(B * T * V).
     """
     b, t, d = h_BxTxD.shape
+    usable_vocab = kernel_DxV.shape[1] if usable_vocab is None else usable_vocab
     chunk = min(chunk, t)
     n_chunks = -(-t // chunk)
     pad = n_chunks * chunk - t
@@ -231,7 +253,7 @@ def chunked_logprobs(
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         h_BxCxD, targets_BxC = args
         logits_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, kernel_DxV, preferred_element_type=jnp.float32)
-        logits_BxCxV = logits_BxCxV / temperature
+        logits_BxCxV = mask_padded_vocab(logits_BxCxV / temperature, usable_vocab)
         lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
         target_logit_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[:, :, None], axis=-1)[:, :, 0]
         probs_BxCxV = jax.nn.softmax(logits_BxCxV, axis=-1)

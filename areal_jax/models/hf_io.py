@@ -353,12 +353,26 @@ def iter_hf_tensors(cfg: ModelConfig, model: Decoder) -> Iterator[tuple[str, np.
             yield mapping.hf_name, np.ascontiguousarray(mapping.to_hf(value))
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
 def save_hf_checkpoint(
-    cfg: ModelConfig, model: Decoder, directory: str | Path, max_shard_bytes: int = 2 * 1024**3
+    cfg: ModelConfig,
+    model: Decoder,
+    directory: str | Path,
+    max_shard_bytes: int = 2 * 1024**3,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`) that
-    `transformers` loads. Written under a temporary name and renamed, so a crash leaves no partial
-    directory at `directory`. In multi-process runs every process gathers; process 0 writes."""
+    `transformers` loads, plus the tokenizer files (`TOKENIZER_FILES`) found in `tokenizer_dir`, so the
+    directory is a complete checkpoint. Written under a temporary name and renamed, so a crash leaves no
+    partial directory at `directory`. In multi-process runs every process gathers; process 0 writes."""
     directory = Path(directory)
     writer = jax.process_index() == 0
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
@@ -397,6 +411,9 @@ def save_hf_checkpoint(
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(model_config_to_hf(cfg), indent=2))
+    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
     directory.parent.mkdir(parents=True, exist_ok=True)
     previous = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():

@@ -7,7 +7,6 @@ import dataclasses
 from areal_jax.configuration import Config, option
 from areal_jax.data.rollout_log import RolloutLogConfig
 from areal_jax.inference.engine import EngineConfig
-from areal_jax.rewards.synthetic import ArithmeticTaskConfig
 from areal_jax.rollout.staleness import StalenessConfig
 from areal_jax.rollout.workflow import WorkflowConfig
 
@@ -19,9 +18,7 @@ class RolloutConfig(Config):
     engine: EngineConfig = option(default_factory=EngineConfig, doc="slots and cache length")
     workflow: WorkflowConfig = option(default_factory=WorkflowConfig, doc="samples per prompt, sampling, rewards")
     staleness: StalenessConfig = option(default_factory=StalenessConfig, doc="eta and batch size in prompts")
-    task: ArithmeticTaskConfig = option(default_factory=ArithmeticTaskConfig, doc="the embedded default task")
     log: RolloutLogConfig = option(default_factory=RolloutLogConfig, doc="durable rollout log shards")
     interrupt: bool = option(True, doc="interrupt in-flight generation on weight updates (else drain first)")
     inference_share: int = option(3, ge=1, doc="inference part of the inference:trainer device ratio")
     trainer_share: int = option(1, ge=1, doc="trainer part of the inference:trainer device ratio")
-    max_staleness: int | None = option(None, ge=0, doc="trainer drops samples staler than this; null = keep all")

@@ -1,11 +1,13 @@
 """The rollout controller: keeps the generator busy with workflows, as far ahead as staleness allows.
 
 A background thread runs an asyncio loop. It admits one prompt at a time through the
-`StalenessManager` (blocking while the bound is reached), starts `workflow.run(generator, task,
-group_id)` as a task, and when a group finishes hands its trajectories to `sink` (the rollout log's
-writer, or any callable) and reports the prompt accepted; a failed workflow is logged and reported
-rejected, so capacity is never leaked. `stop()` stops admitting, cancels running workflows (which
-abort their generator requests) and joins the thread.
+`StalenessManager` (blocking while the bound is reached), takes the next `(group_id, task)` pair from
+`tasks` (the task source decides group ids, so a resumed run can re-issue lost groups), starts
+`workflow.run(generator, task, group_id)` as a task, and when a group finishes hands its trajectories to
+`sink` (the rollout log's writer, or any callable) and reports the prompt accepted; a failed workflow is
+logged and reported rejected, so capacity is never leaked. When `tasks` runs out, the running groups are
+finished and `exhausted` is set. `stop()` stops admitting, cancels running workflows (which abort their
+generator requests) and joins the thread.
 """
 
 from __future__ import annotations
@@ -40,10 +42,9 @@ class RolloutController:
         self,
         generator: Generator,
         workflow: RolloutWorkflow,
-        tasks: Iterator[Any],
+        tasks: Iterator[tuple[int, Any]],
         staleness: StalenessManager,
         sink: Callable[[list[Trajectory]], None],
-        first_group_id: int = 0,
     ):
         self.generator = generator
         self.workflow = workflow
@@ -51,7 +52,8 @@ class RolloutController:
         self.staleness = staleness
         self.sink = sink
         self.stats = ControllerStats()
-        self._next_group_id = first_group_id
+        self.exhausted = threading.Event()  # set once `tasks` ran out and every admitted group ended
+        self._next_group_id = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -71,7 +73,7 @@ class RolloutController:
 
     @property
     def next_group_id(self) -> int:
-        """The group id the next admitted prompt gets (for checkpoints: resume numbering after it)."""
+        """One past the highest group id admitted so far (0 before the first)."""
         return self._next_group_id
 
     def _thread_main(self) -> None:
@@ -88,18 +90,21 @@ class RolloutController:
                 admitted = await asyncio.to_thread(self.staleness.wait_for_capacity, 0.5)
                 if not admitted:
                     continue
-                task = next(self.tasks, None)
-                if task is None:
+                item = next(self.tasks, None)
+                if item is None:
                     self.staleness.finish(accepted=False)
                     logger.info("task source exhausted; waiting for %d running groups", len(running))
                     break
-                group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+                group_id, task = item
+                self._next_group_id = max(self._next_group_id, group_id + 1)
                 self.stats.started += 1
                 job = asyncio.create_task(self._one(task, group_id))
                 running.add(job)
                 job.add_done_callback(running.discard)
-            if running and not self._stopping.is_set():
-                await asyncio.gather(*running, return_exceptions=True)
+            if not self._stopping.is_set():
+                if running:
+                    await asyncio.gather(*running, return_exceptions=True)
+                self.exhausted.set()
         finally:
             for job in running:
                 job.cancel()

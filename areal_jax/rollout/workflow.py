@@ -50,10 +50,14 @@ _MODEL_MARK = "@@areal-model@@"
 
 @dataclasses.dataclass(frozen=True)
 class WorkflowConfig(Config):
-    """Settings shared by the rollout workflows (single-turn uses exactly these)."""
+    """How one prompt becomes the trajectories of its group: single-turn RLVR, or multi-turn episodes."""
 
+    kind: Literal["single_turn", "multi_turn"] = option(
+        "single_turn", doc="'single_turn' (RLVR: one answer per sample) or 'multi_turn' (the environment replies)"
+    )
     n_samples: int = option(4, ge=1, doc="samples per prompt: the group size")
     sampling: SamplingParams = option(default_factory=SamplingParams, doc="how every model turn is sampled")
+    system_prompt: str = option("", doc="a system message before each prompt's user turn; empty = none")
     stop_at_tokenizer_stops: bool = option(True, doc="add the tokenizer's stop ids (eos) to sampling.stop_token_ids")
     truncation: Truncation = option(
         "keep",
@@ -62,18 +66,14 @@ class WorkflowConfig(Config):
     )
     truncation_penalty: float = option(0.0, doc="reward of a truncated sample under truncation='penalize'")
     reward_workers: int = option(4, ge=1, le=1024, doc="threads of the reward executor made when none is given")
+    max_turns: int = option(3, ge=1, doc="multi_turn: model turns per episode at most")
+    turn_discount: float = option(
+        1.0, gt=0, le=1, doc="multi_turn: the episode's reward is multiplied by this per extra turn"
+    )
 
     def validate(self) -> None:
         if not math.isfinite(self.truncation_penalty):
             raise ConfigError("truncation_penalty", f"value {self.truncation_penalty!r} is not a finite number")
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnConfig(WorkflowConfig):
-    """Settings of the multi-turn workflow."""
-
-    max_turns: int = option(3, ge=1, doc="model turns per episode at most")
-    turn_discount: float = option(1.0, gt=0, le=1, doc="the episode's reward is multiplied by this per extra turn")
 
 
 class TaskItem(Protocol):
@@ -218,8 +218,12 @@ class RolloutWorkflow(abc.ABC):
 
     def render_prompt(self, task: TaskItem) -> list[int]:
         """The task's prompt as one user turn of the chat template, ending with the generation prompt."""
-        messages = [{"role": "user", "content": task.prompt}]
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(self.tokenizer.apply_chat_template(self.first_messages(task), add_generation_prompt=True))
+
+    def first_messages(self, task: TaskItem) -> list[Message]:
+        """The conversation before the model's first turn: the system prompt (if any) and the task's prompt."""
+        system: list[Message] = [{"role": "system", "content": self.config.system_prompt}]
+        return [*(system if self.config.system_prompt else []), {"role": "user", "content": task.prompt}]
 
     def close(self) -> None:
         """Shut down the executor if this workflow made it."""
@@ -325,11 +329,9 @@ class RLVRWorkflow(RolloutWorkflow):
 class MultiTurnWorkflow(RolloutWorkflow):
     """Model turn, environment reply, model turn, ... up to `max_turns`; one trajectory per episode."""
 
-    config: MultiTurnConfig
-
     def __init__(
         self,
-        config: MultiTurnConfig,
+        config: WorkflowConfig,
         tokenizer: Tokenizer,
         env: Environment,
         executor: concurrent.futures.Executor | None = None,
@@ -363,7 +365,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         max_length = generator.engine.config.max_length
         tokens = _Tokens()
         tokens.add_context(prompt_ids)
-        history: list[Message] = [{"role": "user", "content": task.prompt}]
+        history: list[Message] = self.first_messages(task)
         turn, interruptions, generate_s, env_s = 1, 0, 0.0, 0.0
         first_token_s = result.timings["queued_to_first_token"]
         while True:

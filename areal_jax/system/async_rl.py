@@ -1,53 +1,61 @@
-"""Asynchronous RL in one JAX program: the rollout side and the trainer side at once.
+"""Asynchronous RL in one JAX program: the rollout side and the trainer side at once, assembled from config.
 
-Devices are split into an inference mesh and a trainer mesh (inference_share:trainer_share; on one
-device both share it). The rollout side (`RolloutController` -> workflows -> `Generator`) runs in
-background threads and appends every finished group to the durable rollout log. The trainer side reads
-the log through the Grain pipeline, runs PPO steps, and publishes each new version in-process: a
-device-to-device copy onto the inference shardings, `Generator.update_params` (interrupting in-flight
-generation or draining first, by config) and `StalenessManager.set_version`, which admits more rollouts.
-With eta = 0 the same wiring is synchronous RL (the baseline). Training checkpoints (every N steps and on
-SIGTERM/SIGINT) hold params, optimizer state, version, the pipeline position and the rollout counters;
-`resume=True` continues from the newest one.
+Construction (`areal_jax.system.assembly`): tokenizer, meshes (devices split inference_share:trainer_share;
+on one device both share it), policy (an HF checkpoint or a random init), reward, workflow, prompts. The
+rollout side (`RolloutController` -> workflow -> `Generator`) runs in background threads and appends every
+finished group to the durable rollout log. The trainer side reads the log through the Grain pipeline, runs
+PPO steps, and publishes each new version in-process: a device-to-device copy onto the inference shardings,
+`Generator.update_params` (interrupting in-flight generation or draining first, by config) and
+`StalenessManager.set_version`, which admits more rollouts. With eta = 0 the same wiring is synchronous RL.
+
+Prompts. Group g is always given prompt g of the shuffled, repeated training stream (`TaskStream`), so a
+run's prompt order is fixed by its seed. A checkpoint records the pipeline's log position, the next group
+id and the groups admitted but not yet consumed by the trainer. `resume=True` moves the log's unread
+shards aside (they came from the lost part of the run), re-issues those groups first with the same ids and
+prompts, then continues: every prompt is trained once, in the uninterrupted run's order of group ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
-from areal_jax.configuration import ConfigError, to_yaml
+from areal_jax.configuration import to_yaml
 from areal_jax.data.datasets import PromptRecord
-from areal_jax.data.pipeline import PipelineConfig, build_pipeline, pipeline_stats
+from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread
 from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.data.tasks import TaskStream
 from areal_jax.data.trajectory import Trajectory
+from areal_jax.evaluation import evaluate
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
-from areal_jax.models.init import create_decoder
-from areal_jax.models.tokenizer import load_tokenizer
 from areal_jax.profiling import ProfileWindow
-from areal_jax.rewards.synthetic import make_problems
 from areal_jax.rollout.controller import RolloutController
-from areal_jax.rollout.environments import ArithmeticRewardFn, arithmetic_prompt_record
+from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
-from areal_jax.rollout.workflow import RLVRWorkflow
-from areal_jax.sharding import copy_to, make_mesh, split_devices, state_shardings
+from areal_jax.rollout.workflow import RolloutWorkflow
+from areal_jax.sharding import copy_to, state_shardings
+from areal_jax.system.assembly import (
+    build_meshes,
+    build_prompts,
+    build_tokenizer,
+    build_workflow,
+    export_policy,
+    load_policy,
+)
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target
@@ -67,32 +75,6 @@ class RunSummary:
     interruptions: int
     metrics_file: str
     final_hf_checkpoint: str
-
-
-def arithmetic_tasks(cfg: ExperimentConfig, first_group_id: int) -> Iterator[PromptRecord]:
-    """An endless, reproducible stream of arithmetic prompts; group g always gets the same problem."""
-    pool = [arithmetic_prompt_record(p) for p in make_problems(cfg.rollout.task, 4096, cfg.seed)]
-    for group_id in itertools.count(first_group_id):
-        yield pool[group_id % len(pool)]
-
-
-def _meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh]:
-    inference, trainer = split_devices(jax.devices(), cfg.rollout.inference_share, cfg.rollout.trainer_share)
-    # each side takes the configured mesh shape, with its -1 axis absorbing that side's devices
-    return make_mesh(cfg.mesh, inference), make_mesh(cfg.mesh, trainer)
-
-
-def _initial_model(cfg: ExperimentConfig, trainer_mesh: Mesh) -> Decoder:
-    if cfg.hf_checkpoint is None:
-        return create_decoder(cfg.model, cfg.seed, trainer_mesh)
-    _, model = load_hf_checkpoint(
-        cfg.hf_checkpoint,
-        mesh=trainer_mesh,
-        compute_dtype=cfg.model.compute_dtype,
-        remat=cfg.model.remat,
-        logprob_chunk=cfg.model.logprob_chunk,
-    )
-    return model
 
 
 class InProcessPublisher:
@@ -125,6 +107,28 @@ def _reward_stats(trajectories: list[Trajectory], version: int) -> dict[str, flo
         "rollout/staleness_max": float(staleness.max()),
         "rollout/response_length_mean": float(lengths.mean()),
     }
+
+
+@dataclasses.dataclass
+class GroupLedger:
+    """Which group ids the trainer has consumed, and which admitted ones it has not (owned by the trainer
+    loop). A checkpoint stores `outstanding`: the groups a resumed run must issue again."""
+
+    consumed: set[int] = dataclasses.field(default_factory=set)
+    consumed_count: int = 0  # over the whole run, resumes included
+    reissued: tuple[int, ...] = ()
+    first_new_id: int = 0
+
+    def consume(self, trajectories: Iterable[Trajectory]) -> None:
+        groups = {t.group_id for t in trajectories}
+        self.consumed.update(groups)
+        self.consumed_count += len(groups)
+
+    def outstanding(self, next_group_id: int, still_in_pipeline: set[int]) -> list[int]:
+        """Admitted ids (the re-issued ones, then first_new_id..next_group_id) neither consumed nor held
+        as an incomplete group by the pipeline."""
+        admitted = [*self.reissued, *range(self.first_new_id, next_group_id)]
+        return [g for g in admitted if g not in self.consumed and g not in still_in_pipeline]
 
 
 class RunDirectoryError(Exception):
@@ -163,37 +167,95 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, latest_checkpo
     shutil.rmtree(run_dir)
 
 
+def _truncate_jsonl(path: Path, version: int, key: str) -> None:
+    """Keep the lines of steps up to `version` (a resumed run writes the later ones again)."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get(key, 0) <= version]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
 def run_async(
     cfg: ExperimentConfig,
     resume: bool = False,
     stop_event: threading.Event | None = None,
     overwrite: bool = False,
 ) -> RunSummary:
-    """Train `cfg.train_steps` steps of asynchronous RL on the embedded arithmetic task. A new run needs
-    a run directory without an earlier run (or `overwrite`); `resume` continues the newest checkpoint."""
+    """Train up to `cfg.train_steps` steps of asynchronous RL on the configured prompts and reward. A new
+    run needs a run directory without an earlier run (or `overwrite`); `resume` continues the newest
+    checkpoint. Ends early when a finite dataset (`dataset.epochs`) has been used up."""
     started = time.perf_counter()
     run_dir = cfg.run_dir
     latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
     prepare_run_dir(run_dir, resume, overwrite, latest)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if cfg.hf_checkpoint is None and tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            "model.vocab_size", f"value {cfg.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
-        )
-    inference_mesh, trainer_mesh = _meshes(cfg)
-    model = _initial_model(cfg, trainer_mesh)
-    trainer = Trainer(model, cfg.trainer, trainer_mesh)
-    checkpointer = TrainCheckpointer(run_dir / "checkpoints", cfg.train_checkpoint)
-    checkpointer.install_signal_handlers()
+    tokenizer = build_tokenizer(cfg)
+    inference_mesh, trainer_mesh = build_meshes(cfg)
+    model = load_policy(cfg, trainer_mesh, tokenizer)
+    with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
+        train_prompts, heldout = build_prompts(cfg, workflow)
+        stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        trainer = Trainer(model, cfg.trainer, trainer_mesh, temperature=cfg.rollout.workflow.sampling.temperature)
+        checkpointer = TrainCheckpointer(run_dir / "checkpoints", cfg.train_checkpoint)
+        checkpointer.install_signal_handlers()
+        try:
+            return _train(
+                cfg,
+                resume,
+                stop_event,
+                started,
+                model,
+                trainer,
+                checkpointer,
+                stream,
+                heldout,
+                workflow,
+                inference_mesh,
+            )
+        finally:
+            checkpointer.close()
+
+
+def _train(
+    cfg: ExperimentConfig,
+    resume: bool,
+    stop_event: threading.Event | None,
+    started: float,
+    model: Decoder,
+    trainer: Trainer,
+    checkpointer: TrainCheckpointer,
+    stream: TaskStream,
+    heldout: list[PromptRecord],
+    workflow: RolloutWorkflow,
+    inference_mesh: Any,
+) -> RunSummary:
+    run_dir = cfg.run_dir
+    log_dir = run_dir / "rollout_log"
+    metrics_path = run_dir / "metrics.jsonl"
+    groups_path = run_dir / "trained_groups.jsonl"  # which prompts each step trained on
     metadata: dict[str, Any] = {}
-    if resume and checkpointer.latest_step() is not None:
+    ledger = GroupLedger()
+    if resume:
         restored = checkpointer.restore(abstract_target({"params": trainer.params, "opt_state": trainer.opt_state}))
         trainer.params, trainer.opt_state = restored.state["params"], restored.state["opt_state"]
         metadata = restored.metadata
         trainer.version = int(metadata["version"])
-        logger.info("resumed from step %d (version %d)", restored.step, trainer.version)
+        aside = set_aside_unread(log_dir, metadata["pipeline"], run_dir / f"rollout_log_unused/resume-{restored.step}")
+        ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
+        ledger.first_new_id = int(metadata["next_group_id"])
+        ledger.consumed_count = int(metadata["consumed_groups"])
+        _truncate_jsonl(metrics_path, trainer.version, "train/version")
+        _truncate_jsonl(groups_path, trainer.version, "version")
+        logger.info(
+            "resumed from step %d (version %d): %d unread log records set aside, %d groups re-issued",
+            restored.step,
+            trainer.version,
+            aside.records,
+            len(ledger.reissued),
+        )
 
     engine = Engine(model, cfg.rollout.engine, inference_mesh)
     inference_params = copy_to(trainer.params, state_shardings(trainer.params, inference_mesh))
@@ -201,8 +263,7 @@ def run_async(
     engine.warmup(params)
     staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
     if metadata:
-        staleness.restore(int(metadata["accepted"]), int(metadata["rejected"]), trainer.version)
-    log_dir = run_dir / "rollout_log"
+        staleness.restore(int(metadata["consumed_groups"]), int(metadata["rejected"]), trainer.version)
     writer = RolloutLogWriter(
         log_dir, writer_id=f"rollout{jax.process_index()}-{int(time.time())}", config=cfg.rollout.log
     )
@@ -212,38 +273,46 @@ def run_async(
         with writer_lock:
             for trajectory in trajectories:
                 writer.append(trajectory)
-            writer.flush()  # one shard per group keeps the trainer's latency low at demo scale
+            writer.flush()  # one shard per group: the trainer sees each group as soon as it is done
 
-    pipeline_cfg = PipelineConfig(
-        group_size=cfg.rollout.workflow.n_samples,
-        groups_per_batch=cfg.rollout.staleness.batch_prompts,
-        max_staleness=cfg.rollout.max_staleness,
-        prefetch_batches=0,
-    )
     pipeline_stop = stop_event or threading.Event()
+    rollouts_done = threading.Event()
     batches = iter(
-        build_pipeline(log_dir, pipeline_cfg, trainer_version=lambda: trainer.version, stop_event=pipeline_stop)
+        build_pipeline(
+            log_dir,
+            cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position is what was trained
+            trainer_version=lambda: trainer.version,
+            stop_event=pipeline_stop,
+            writers_done=rollouts_done,
+        )
     )
     if metadata:
         batches.set_state(metadata["pipeline"])
 
-    metrics_path = run_dir / "metrics.jsonl"
     profile = ProfileWindow(cfg.profile, run_dir / "profile")
     first_reward = last_reward = float("nan")
     trained = 0
-    workflow = RLVRWorkflow(cfg.rollout.workflow, tokenizer, ArithmeticRewardFn(cfg.rollout.task.format_bonus))
-    with Generator(engine, params, detokenize=tokenizer.decode, seed=cfg.seed) as generator, workflow:
+    with Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed) as generator:
         trainer.publish = InProcessPublisher(generator, staleness, cfg.rollout.interrupt)
-        first_group = int(metadata.get("next_group_id", 0))
         controller = RolloutController(
-            generator, workflow, arithmetic_tasks(cfg, first_group), staleness, sink, first_group_id=first_group
+            generator, workflow, stream.groups(ledger.first_new_id, ledger.reissued), staleness, sink
         ).start()
+        exhausted_watch = threading.Thread(
+            target=lambda: (controller.exhausted.wait(), rollouts_done.set()), daemon=True, name="areal-exhausted"
+        )
+        exhausted_watch.start()
+
+        def metadata_now() -> dict[str, Any]:
+            return _checkpoint_metadata(trainer, batches, staleness, controller, ledger)
+
         try:
-            with metrics_path.open("a") as metrics:
+            with metrics_path.open("a") as metrics, groups_path.open("a") as trained_groups:
                 while trainer.version < cfg.train_steps and not checkpointer.stop_requested:
                     batch = next(batches, None)
                     if batch is None:
+                        logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
                         break
+                    ledger.consume(batch)
                     version_before = trainer.version
                     profile.before_step(version_before + 1)
                     stats = trainer.step(batch)
@@ -252,9 +321,19 @@ def run_async(
                     stats.update({f"generator/{k}": float(v) for k, v in dataclasses.asdict(generator.stats).items()})
                     counters = pipeline_stats(batches.get_state())
                     stats.update({f"pipeline/{k}": float(v) for k, v in counters.items() if isinstance(v, int)})
+                    stats["data/epoch"] = controller.next_group_id / stream.prompts_per_epoch
+                    if _eval_due(cfg, trainer.version) and heldout:
+                        report = evaluate(
+                            generator, workflow, heldout[: cfg.eval.max_prompts or None], cfg.eval, cfg.seed
+                        )
+                        report.write(run_dir / "eval" / f"step-{trainer.version}")
+                        stats.update(report.scalars())
                     stats["time/wall"] = time.perf_counter() - started
                     metrics.write(json.dumps(stats) + "\n")
                     metrics.flush()
+                    groups = sorted({(t.group_id, t.prompt_id) for t in batch})
+                    trained_groups.write(json.dumps({"version": trainer.version, "groups": groups}) + "\n")
+                    trained_groups.flush()
                     trained += len(batch)
                     if np.isnan(first_reward):
                         first_reward = stats["rollout/reward_mean"]
@@ -268,18 +347,10 @@ def run_async(
                         stats["train/loss"],
                         stats["train/throughput"],
                     )
-                    snapshot = staleness.snapshot()
-                    checkpointer.maybe_save(
-                        trainer.version,
-                        {"params": trainer.params, "opt_state": trainer.opt_state},
-                        lambda snapshot=snapshot: {
-                            "version": trainer.version,
-                            "pipeline": batches.get_state(),
-                            "accepted": snapshot.accepted,
-                            "rejected": snapshot.rejected,
-                            "next_group_id": controller.next_group_id,
-                        },
-                    )
+                    arrays = {"params": trainer.params, "opt_state": trainer.opt_state}
+                    checkpointer.maybe_save(trainer.version, arrays, metadata_now)
+                    if trainer.version >= cfg.train_steps and checkpointer.latest_step() != trainer.version:
+                        checkpointer.save(trainer.version, arrays, metadata_now())  # the last step, always
         finally:
             profile.close()
             pipeline_stop.set()
@@ -288,8 +359,7 @@ def run_async(
             with writer_lock:
                 writer.close()
         generation_tokens, interruptions = generator.stats.emitted_tokens, generator.stats.interruptions
-    checkpointer.close()
-    final_dir = save_hf_checkpoint(model.config, nnx.merge(trainer.graphdef, trainer.params), run_dir / "hf_final")
+    final_dir = export_policy(cfg, nnx.merge(trainer.graphdef, trainer.params), run_dir / "hf_final")
     return RunSummary(
         steps=trainer.version - int(metadata.get("version", 0)),
         version=trainer.version,
@@ -302,6 +372,33 @@ def run_async(
         metrics_file=str(metrics_path),
         final_hf_checkpoint=str(final_dir),
     )
+
+
+def _eval_due(cfg: ExperimentConfig, version: int) -> bool:
+    """Held-out evaluation every `eval.every_steps` steps and after the last one."""
+    every = cfg.eval.every_steps
+    return bool(every) and (version % every == 0 or version >= cfg.train_steps)
+
+
+def _checkpoint_metadata(
+    trainer: Trainer,
+    batches: Any,
+    staleness: StalenessManager,
+    controller: RolloutController,
+    ledger: GroupLedger,
+) -> dict[str, Any]:
+    """What a resume needs besides the arrays: the version, the pipeline position, the groups consumed
+    (the staleness bound counts them as accepted), the next group id and the outstanding groups."""
+    state = batches.get_state()
+    next_group_id = controller.next_group_id
+    return {
+        "version": trainer.version,
+        "pipeline": state,
+        "consumed_groups": ledger.consumed_count,
+        "rejected": staleness.snapshot().rejected,
+        "next_group_id": max(next_group_id, ledger.first_new_id),
+        "outstanding": ledger.outstanding(next_group_id, open_group_ids(state)),
+    }
 
 
 def load_metrics(path: str | Path) -> list[dict[str, float]]:

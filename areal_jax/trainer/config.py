@@ -65,9 +65,6 @@ class TrainerConfig(Config):
         doc="optimizer updates per step: the step's sequences are split into this many mini-batches of "
         "balanced token counts, each one update whose loss is normalised by its own loss-token count",
     )
-    temperature: float = option(
-        1.0, gt=0.0, doc="softmax temperature of the trainer's log-probs; must equal the sampler's temperature"
-    )
     compute_dtype: Literal["model", "float32", "bfloat16"] = option(
         "model",
         doc="matmul dtype of the trainer ('model' = ModelConfig.compute_dtype); params and Adam state stay float32",

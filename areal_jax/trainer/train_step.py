@@ -209,12 +209,16 @@ def _copy_fn(params: nnx.State) -> nnx.State:
 class TrainStep:
     """Sharded, jitted proximal pass and PPO update of one decoder on one mesh.
 
-    Built from the decoder's graphdef and (abstract or concrete) parameter state; `init` places a copy of
+    Log-probs are taken at `temperature`, which must be the sampler's (the run passes
+    rollout.workflow.sampling.temperature, the one setting of it). Built from the decoder's graphdef and
+    (abstract or concrete) parameter state; `init` places a copy of
     the parameters on the mesh and creates the optimizer state there. Each jitted function compiles once
     per batch shape (shared with every other `TrainStep` of the same model, settings and mesh).
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: TrainerConfig, mesh: Mesh):
+    def __init__(
+        self, graphdef: nnx.GraphDef, params: nnx.State, config: TrainerConfig, mesh: Mesh, *, temperature: float
+    ):
         model_config = nnx.merge(graphdef, params).config
         if model_config.param_dtype != "float32":
             raise ValueError(
@@ -232,7 +236,7 @@ class TrainStep:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.param_shardings = state_shardings(abstract, mesh)
         self.program = _Program(
-            _Scorer(graphdef, config.temperature),
+            _Scorer(graphdef, temperature),
             config.optimizer,
             config.ppo,
             jax.tree.structure(abstract),

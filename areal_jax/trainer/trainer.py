@@ -69,10 +69,11 @@ class Trainer:
         *,
         version: int = 0,
         planner: Planner | None = None,
+        temperature: float,
     ):
         graphdef, state = nnx.split(model)
         self.config = config
-        self.train_step = TrainStep(graphdef, state, config, mesh)
+        self.train_step = TrainStep(graphdef, state, config, mesh, temperature=temperature)
         if planner is None and config.packing.rows % self.train_step.batch_shards:
             raise ValueError(
                 f"packing.rows is {config.packing.rows}, not a multiple of the data*fsdp shards "

@@ -1,0 +1,125 @@
+"""The pieces of a run, each built from the experiment config by one small function: tokenizer, meshes,
+policy (an HF checkpoint or a random init), reward, workflow, prompts. `run_async`, `areal-jax eval` and
+`areal-jax demo` assemble themselves from these, so a rule such as the HF load options or the padded
+vocabulary is written here once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.configuration import ConfigError
+from areal_jax.data.datasets import PromptRecord
+from areal_jax.data.tasks import drop_long_prompts, load_task_records, split_heldout
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from areal_jax.models.init import create_decoder
+from areal_jax.models.tokenizer import CHAR_SPEC, Tokenizer, load_tokenizer
+from areal_jax.rollout.rewards import Reward, RewardConfig
+from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow, WorkflowConfig
+from areal_jax.sharding import make_mesh, split_devices
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_spec(cfg: ExperimentConfig) -> str:
+    """What `cfg.tokenizer` names: itself when set, else the HF checkpoint's directory, else 'char'."""
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    return cfg.hf_checkpoint if cfg.hf_checkpoint is not None else CHAR_SPEC
+
+
+def build_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
+    spec = tokenizer_spec(cfg)
+    try:
+        return load_tokenizer(spec)
+    except (OSError, ValueError) as err:
+        raise ConfigError("tokenizer", f"cannot load a tokenizer from {spec!r}: {err}") from None
+
+
+def build_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh]:
+    """(inference mesh, trainer mesh): devices split inference_share:trainer_share, each side taking the
+    configured mesh shape with its -1 axis absorbing that side's devices."""
+    inference, trainer = split_devices(jax.devices(), cfg.rollout.inference_share, cfg.rollout.trainer_share)
+    return make_mesh(cfg.mesh, inference), make_mesh(cfg.mesh, trainer)
+
+
+def hf_load_options(model: ModelConfig) -> dict[str, Any]:
+    """The run-time choices of `model` that an HF checkpoint does not carry; every HF load passes these."""
+    return {
+        "compute_dtype": model.compute_dtype,
+        "remat": model.remat,
+        "logprob_chunk": model.logprob_chunk,
+        "attention_impl": model.attention_impl,
+    }
+
+
+def _vocab_limit(model_vocab: int, tokenizer: Tokenizer, key: str) -> int | None:
+    """Ids at or above the tokenizer's size are padding rows of the embedding: masked in sampling and
+    scoring. A tokenizer larger than the embedding cannot work."""
+    if tokenizer.vocab_size > model_vocab:
+        raise ConfigError(key, f"value {model_vocab} is below the tokenizer's vocabulary size {tokenizer.vocab_size}")
+    return tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else None
+
+
+def load_policy(
+    cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer, checkpoint: str | None = None
+) -> Decoder:
+    """The starting policy: the HF checkpoint `checkpoint` (default `cfg.hf_checkpoint`) or a random init of
+    `cfg.model` with `cfg.seed`, placed on `mesh`, its padded vocabulary masked to the tokenizer's."""
+    source = checkpoint if checkpoint is not None else cfg.hf_checkpoint
+    if source is None:
+        limit = _vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size")
+        return create_decoder(cfg.model.replace(vocab_limit=limit), cfg.seed, mesh)
+    config_file = Path(source) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("hf_checkpoint", f"{source!r} is not an HF checkpoint directory: no config.json")
+    limit = _vocab_limit(int(json.loads(config_file.read_text())["vocab_size"]), tokenizer, "hf_checkpoint")
+    _, model = load_hf_checkpoint(source, mesh=mesh, vocab_limit=limit, **hf_load_options(cfg.model))
+    return model
+
+
+def export_policy(cfg: ExperimentConfig, model: Decoder, directory: str | Path) -> Path:
+    """`model` as an HF checkpoint in `directory`, with the run's tokenizer files when it has some."""
+    spec = tokenizer_spec(cfg)
+    tokenizer_dir = Path(spec) if spec != CHAR_SPEC else None
+    return save_hf_checkpoint(model.config, model, directory, tokenizer_dir=tokenizer_dir)
+
+
+def build_workflow(config: WorkflowConfig, tokenizer: Tokenizer, reward: Reward) -> RolloutWorkflow:
+    if config.kind == "multi_turn":
+        return MultiTurnWorkflow(config, tokenizer, reward.environment())
+    return RLVRWorkflow(config, tokenizer, reward.fn)
+
+
+def check_reward_fields(records: list[PromptRecord], reward: RewardConfig) -> None:
+    """Refuse prompts that lack what the reward reads (math: an answer; code: tests), naming the first."""
+    field = reward.needs
+    missing = [r for r in records if field and getattr(r, field) is None]
+    if missing:
+        first = missing[0]
+        raise ConfigError(
+            "reward.kind",
+            f"{reward.kind!r} reads each prompt's {field!r}, but {len(missing)} of {len(records)} prompts have none "
+            f"(first: {first.id} from {first.source}); choose a dataset mapping that provides it",
+        )
+
+
+def build_prompts(cfg: ExperimentConfig, workflow: RolloutWorkflow) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(training prompts, held-out prompts): the configured records that the reward can score and whose
+    rendered prompt fits `dataset.max_prompt_tokens`, split with the run seed."""
+    data = cfg.dataset
+    records = load_task_records(data, cfg.seed)
+    check_reward_fields(records, cfg.reward)
+    records = drop_long_prompts(records, lambda r: len(workflow.render_prompt(r)), data.max_prompt_tokens)
+    if data.heldout:
+        return split_heldout(records, data.heldout, cfg.seed)
+    return records, []
