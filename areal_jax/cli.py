@@ -1,7 +1,10 @@
 """The `areal-jax` command: `train` (asynchronous RL, the main job), `eval` (pass@1/avg@k/pass@k of a
 checkpoint on datasets), `demo` (generate and score with a fresh model), `config` (print or describe a
 config), `convert` (re-export an HF checkpoint), `profile-summary` (rank the XLA operations of a trace
-taken with `profile.start_step=N`)."""
+taken with `profile.start_step=N`).
+
+A user mistake (a bad config, a missing file, a refused run directory) ends in one line on stderr and exit
+status 2 (`--debug`: its traceback); `train` stopped by SIGTERM/SIGINT exits with 75 after its checkpoint."""
 
 from __future__ import annotations
 
@@ -11,11 +14,35 @@ import json
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from areal_jax.configuration import ConfigError, describe, to_yaml
 
 logger = logging.getLogger("areal_jax")
+
+EXIT_USER_ERROR = 2  # a user mistake (see `_user_errors`): one line on stderr, the traceback with --debug
+EXIT_RUN_FAILED = 1  # the run stopped itself (failing rollouts, every update skipped): the message says why
+EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after writing a checkpoint; rerun with --resume
+
+
+def _user_errors() -> tuple[tuple[type[Exception], str], ...]:
+    """The exceptions that are user mistakes (a config, a file, a directory), each with the prefix of its
+    one-line message; the first match wins. Any other exception is an internal error and keeps its traceback."""
+    from areal_jax.data.datasets import MalformedRowError
+    from areal_jax.evaluation import CheckpointSourceError
+    from areal_jax.models.hf_io import CheckpointError
+    from areal_jax.system.run_dir import RunDirectoryError
+
+    return (
+        (ConfigError, "config error"),
+        (RunDirectoryError, "run directory"),
+        (CheckpointSourceError, "--checkpoint"),
+        (CheckpointError, "HF checkpoint"),
+        (MalformedRowError, "dataset"),
+        (FileNotFoundError, "missing file"),
+        (PermissionError, "permission denied"),
+    )
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -60,33 +87,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
     from areal_jax.profiling import request_cpu_op_events
-    from areal_jax.system.async_rl import RunDirectoryError, run_async
+    from areal_jax.system.async_rl import run_async
 
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
     enable_compilation_cache(cfg.compilation_cache_dir)
     if cfg.profile.start_step:
         request_cpu_op_events()
-    try:
-        summary = run_async(cfg, resume=args.resume, overwrite=args.overwrite)
-    except RunDirectoryError as err:
-        print(f"run directory: {err}", file=sys.stderr)
-        return 2
+    summary = run_async(cfg, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps(dataclasses.asdict(summary), indent=2))
-    return 0
+    return EXIT_RESUMABLE if summary.stopped_by_signal else 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
-    from areal_jax.evaluation import CheckpointSourceError, resolve_checkpoint, run_eval
+    from areal_jax.evaluation import resolve_checkpoint, run_eval
 
     path, overrides = _split_config_args(args.rest)
-    try:
-        source = resolve_checkpoint(args.checkpoint)
-    except CheckpointSourceError as err:
-        print(f"eval: {err}", file=sys.stderr)
-        return 2
+    source = resolve_checkpoint(args.checkpoint)
     if path is None and source.config_file is not None:
         path = source.config_file
         logger.info("config: %s (the run's)", path)
@@ -110,27 +129,33 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_profile_summary(args: argparse.Namespace) -> int:
     from areal_jax.profiling import format_summary, newest_trace, summarize_trace
 
-    try:
-        ops = summarize_trace(args.directory, top=args.top)
-    except FileNotFoundError as err:
-        print(f"profile-summary: {err}", file=sys.stderr)
-        return 2
+    ops = summarize_trace(args.directory, top=args.top)
     print(f"{newest_trace(args.directory)}")
     print(format_summary(ops))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    debug_help = "show the traceback of a user mistake (a bad config, a missing file) instead of one line"
     parser = argparse.ArgumentParser(prog="areal-jax", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    debug = argparse.ArgumentParser(add_help=False)  # --debug also after the command
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="asynchronous RL on the embedded arithmetic task (one process)")
+    train = sub.add_parser(
+        "train",
+        parents=[debug],
+        help="asynchronous RL on the embedded arithmetic task (one process)",
+        epilog=f"exit status: 0 done, {EXIT_USER_ERROR} a user mistake, {EXIT_RESUMABLE} stopped by "
+        "SIGTERM/SIGINT after writing a checkpoint (rerun with --resume)",
+    )
     train.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
     train.add_argument(
         "--overwrite", action="store_true", help="delete an earlier run in the run directory and start over"
     )
     train.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     train.set_defaults(func=_cmd_train)
-    evaluate = sub.add_parser("eval", help="evaluate a checkpoint (pass@1, avg@k, pass@k) on datasets")
+    evaluate = sub.add_parser("eval", parents=[debug], help="evaluate a checkpoint (pass@1, avg@k, pass@k) on datasets")
     evaluate.add_argument(
         "--checkpoint",
         type=Path,
@@ -142,19 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
         "rest", nargs="*", help="[config.yaml] [section.key=value ...]; default config: the run's config.yaml"
     )
     evaluate.set_defaults(func=_cmd_eval)
-    demo = sub.add_parser("demo", help="generate and score completions on the configured dataset and reward")
+    demo = sub.add_parser(
+        "demo", parents=[debug], help="generate and score completions on the configured dataset and reward"
+    )
     demo.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     demo.set_defaults(func=_cmd_demo)
-    config = sub.add_parser("config", help="print the resolved config as YAML")
+    config = sub.add_parser("config", parents=[debug], help="print the resolved config as YAML")
     config.add_argument("--describe", action="store_true", help="list every option with its range and doc")
     config.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     config.set_defaults(func=_cmd_config)
-    convert = sub.add_parser("convert", help="load an HF checkpoint into areal-jax params and export it again")
+    convert = sub.add_parser(
+        "convert", parents=[debug], help="load an HF checkpoint into areal-jax params and export it again"
+    )
     convert.add_argument("source", type=Path)
     convert.add_argument("destination", type=Path)
     convert.add_argument("--max-shard-mb", type=int, default=2048)
     convert.set_defaults(func=_cmd_convert)
-    summary = sub.add_parser("profile-summary", help="rank the XLA operations of a profile trace by total time")
+    summary = sub.add_parser(
+        "profile-summary", parents=[debug], help="rank the XLA operations of a profile trace by total time"
+    )
     summary.add_argument("directory", type=Path, help="a run's profile/ directory (or any trace directory)")
     summary.add_argument("--top", type=int, default=25)
     summary.set_defaults(func=_cmd_profile_summary)
@@ -162,15 +193,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a user mistake ends in one line on stderr and `EXIT_USER_ERROR` (with --debug: its
+    traceback), any other exception propagates with its traceback."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("jax", "absl", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
+    from areal_jax.system.async_rl import RunFailed
+
     try:
         return args.func(args)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+    except RunFailed as err:  # not a mistake in the command: the run itself could not go on
+        if args.debug:
+            traceback.print_exc()
+        print(f"areal-jax {args.command}: run failed: {err}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    except Exception as err:
+        prefix = next((prefix for kind, prefix in _user_errors() if isinstance(err, kind)), None)
+        if prefix is None:
+            raise
+        if args.debug:
+            traceback.print_exc()
+        else:
+            message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+            print(f"areal-jax {args.command}: {prefix}: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

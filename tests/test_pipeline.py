@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from areal_jax.configuration import ConfigError
-from areal_jax.data.pipeline import PipelineConfig, build_pipeline, pipeline_stats, staleness_of
-from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from areal_jax.data.pipeline import PipelineConfig, build_pipeline, pipeline_stats, set_aside_unread, staleness_of
+from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter, list_shards
 from tests.rollout_log_worker import make_trajectory
 
 FAST = {"poll_initial_s": 0.005, "poll_max_s": 0.05, "idle_timeout_s": 0.3}
@@ -193,3 +193,25 @@ def test_config_and_argument_errors(tmp_path: Path) -> None:
         writer.append(make_trajectory(0, 5))
     with pytest.raises(ValueError, match="sample_index 5"):
         list(build_pipeline(tmp_path, PipelineConfig(group_size=4, groups_per_batch=1, prefetch_batches=0, **FAST)))
+
+
+def test_set_aside_unread_ends_the_log_at_a_saved_position(tmp_path: Path) -> None:
+    """A resume moves every shard the saved position has not reached out of the log (kept aside), deletes
+    the temporary files of shards never committed, and a pipeline restored there reads nothing more."""
+    with RolloutLogWriter(tmp_path / "log", "w0", RolloutLogConfig(max_records=2)) as writer:
+        for group in range(4):
+            writer.append(make_trajectory(group, 0))
+            writer.append(make_trajectory(group, 1))
+            writer.flush()
+    config = PipelineConfig(group_size=2, groups_per_batch=1, prefetch_batches=0, **FAST)
+    iterator = iter(build_pipeline(tmp_path / "log", config))
+    assert [t.group_id for t in next(iterator)] == [0, 0]
+    state = iterator.get_state()
+    (tmp_path / "log" / ".tmp-w9_00000003_abc.arrayrecord").write_bytes(b"half a shard")
+    aside = set_aside_unread(tmp_path / "log", state, tmp_path / "aside")
+    assert (aside.shards, aside.records, aside.temporaries) == (3, 6, 1)
+    assert sorted(p.name for p in (tmp_path / "aside").iterdir()) == [s.name for s in list_shards(tmp_path / "aside")]
+    assert not list((tmp_path / "log").glob(".tmp-*"))
+    restored = iter(build_pipeline(tmp_path / "log", config.replace(idle_timeout_s=0.2)))
+    restored.set_state(state)
+    assert next(restored, None) is None

@@ -63,6 +63,7 @@ def test_gsm8k_recipe_trains_with_the_math_reward_and_evaluates(tmp_path, tiny, 
             f"dataset.files=[{{path: '{tiny.gsm8k}', mapping: gsm8k}}]",
             f"eval.files=[{{path: '{tiny.gsm8k}', mapping: gsm8k}}]",
             "eval.samples_per_prompt=2",
+            "eval.max_prompts=6",
             "eval.temperature=1.0",
             "--checkpoint",
             str(run_dir / "hf_final"),
@@ -74,7 +75,7 @@ def test_gsm8k_recipe_trains_with_the_math_reward_and_evaluates(tmp_path, tiny, 
     printed = capsys.readouterr().out
     assert "pass@1" in printed and "avg@2" in printed
     report = json.loads((out_dir / "eval.json").read_text())
-    assert report["overall"]["prompts"] == 20
+    assert report["overall"]["prompts"] == 6
 
 
 def test_deepcoder_recipe_trains_with_the_code_reward(tmp_path, tiny):

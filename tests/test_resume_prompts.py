@@ -1,37 +1,53 @@
-"""The running system killed mid-epoch and resumed uses every prompt exactly once, each under the group id
-an uninterrupted run gives it (the prompt order is fixed by the seed, whatever the crash)."""
+"""The running system (engine, generator, log, pipeline, trainer in one process) killed for real — SIGKILL
+at three random points and SIGTERM once — and resumed each time, trains every prompt exactly once under
+the group id an uninterrupted run gives it, within the staleness bound, and logs each step once."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PROMPTS = 24
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.cli import EXIT_RESUMABLE
+from areal_jax.config import load_experiment
+from areal_jax.data.tasks import TaskStream, arithmetic_records
+from areal_jax.models.hf_io import load_hf_checkpoint
+from areal_jax.system.async_rl import load_metrics
+from areal_jax.trainer.checkpoint import TrainCheckpointer
+
+PROMPTS = 40  # 20 steps: every interruption below lands well inside the epoch
+BATCH = 2
+ETA = 2
 RUN = [
     "configs/train_cpu.yaml",
     "train_steps=100",  # more than the data: the run ends when the single epoch is used up
     "dataset.epochs=1",
     f"dataset.arithmetic_problems={PROMPTS}",
-    "rollout.staleness.batch_prompts=2",
-    "rollout.staleness.max_head_offpolicyness=2",
+    f"rollout.staleness.batch_prompts={BATCH}",
+    f"rollout.staleness.max_head_offpolicyness={ETA}",
     "rollout.workflow.n_samples=2",
     "rollout.engine.max_slots=8",
     "trainer.packing.token_budget=256",
     "trainer.packing.rows=4",
     "train_checkpoint.every_steps=2",
-    "train_checkpoint.async_save=false",
-    "compilation_cache_dir=null",
 ]
 
 
-def _train(output_dir: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "areal_jax.cli", "train", *RUN, f"output_dir={output_dir}", *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _train(output_dir: Path, cache: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "areal_jax.cli", "train", *RUN, f"output_dir={output_dir}"]
+    command += [f"compilation_cache_dir={cache}", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process.started = time.time()  # type: ignore[attr-defined]
+    return process
 
 
 def _trained(run_dir: Path) -> list[tuple[int, int, str]]:
@@ -40,34 +56,59 @@ def _trained(run_dir: Path) -> list[tuple[int, int, str]]:
     return [(row["version"], g, p) for row in map(json.loads, lines) for g, p in row["groups"]]
 
 
-def _steps_done(run_dir: Path) -> int:
+def _steps_done(run_dir: Path, since: float = 0.0) -> int:
+    """Steps logged, counted once this process has written the log (a resumed run first cuts it back)."""
     path = run_dir / "trained_groups.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    if not path.exists() or path.stat().st_mtime < since:
+        return 0
+    return len(path.read_text().splitlines())
 
 
-def test_kill_and_resume_mid_epoch_trains_every_prompt_once_in_the_same_order(tmp_path):
-    reference = _train(tmp_path / "a")
-    interrupted = _train(tmp_path / "b")
-    run_dir = tmp_path / "b" / "async-arithmetic"
+def _run_until(process: subprocess.Popen, run_dir: Path, step: int, extra_delay: float) -> None:
     deadline = time.monotonic() + 300
-    while _steps_done(run_dir) < 5:  # past the step-4 checkpoint, in the middle of the epoch
-        assert interrupted.poll() is None, interrupted.stdout.read()
+    while _steps_done(run_dir, process.started) < step:  # type: ignore[attr-defined]
+        assert process.poll() is None, process.stdout.read()
         assert time.monotonic() < deadline, "the run made no progress"
-        time.sleep(0.05)
-    os.kill(interrupted.pid, signal.SIGKILL)
-    interrupted.wait()
-    resumed = _train(tmp_path / "b", "--resume")
-    out_resumed, _ = resumed.communicate(timeout=300)
-    out_reference, _ = reference.communicate(timeout=300)
-    assert reference.returncode == 0, out_reference
-    assert resumed.returncode == 0, out_resumed
+        time.sleep(0.02)
+    time.sleep(extra_delay)  # somewhere inside the next step: generating, training or checkpointing
 
-    expected = _trained(tmp_path / "a" / "async-arithmetic")
+
+def _uninterrupted_prompts() -> dict[int, str]:
+    """Group id -> prompt id of any run of this config: the prompt stream is a function of the seed."""
+    cfg = load_experiment(RUN[0], RUN[1:])
+    stream = TaskStream(arithmetic_records(cfg.dataset.arithmetic, PROMPTS, cfg.seed), cfg.seed, epochs=1)
+    return {g: stream.task_for(g).id for g in range(len(stream))}
+
+
+def test_killed_and_resumed_system_trains_every_prompt_once_in_the_same_order(tmp_path):
+    cache = tmp_path / "xla-cache"
+    run_dir = tmp_path / "b" / "async-arithmetic"
+    rng = random.Random(7)
+    process = _train(tmp_path / "b", cache)
+    for low, high in ((3, 5), (7, 10), (12, 14)):  # three SIGKILLs at random points after the first checkpoint
+        _run_until(process, run_dir, rng.randint(low, high), rng.uniform(0.0, 0.5))
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        process = _train(tmp_path / "b", cache, "--resume")
+    _run_until(process, run_dir, 16, 0.0)
+    process.send_signal(signal.SIGTERM)  # graceful: a checkpoint, nothing exported, "resumable" exit code
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == EXIT_RESUMABLE, out
+    stopped_at = _steps_done(run_dir)
+    assert stopped_at < PROMPTS // BATCH and TrainCheckpointer.latest_in(run_dir / "checkpoints") == stopped_at
+    assert not (run_dir / "hf_final").exists()
+    process = _train(tmp_path / "b", cache, "--resume")
+    out_resumed, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out_resumed
+
     got = _trained(run_dir)
-    assert sorted(g for _, g, _ in expected) == list(range(PROMPTS))  # one epoch: every group once
     assert sorted(g for _, g, _ in got) == list(range(PROMPTS)), "a group was lost or trained twice"
-    assert {g: p for _, g, p in got} == {g: p for _, g, p in expected}  # same prompt under each group id
-    assert len({p for _, _, p in got}) == PROMPTS
-    steps = [s for s, _, _ in got]
-    assert steps == sorted(steps) and len(set(steps)) == steps[-1]  # each step logged once after the resume
-    assert "groups re-issued" in out_resumed
+    expected = _uninterrupted_prompts()
+    assert sorted(expected.values()) == sorted(f"arith-{i}" for i in range(PROMPTS))
+    assert {g: p for _, g, p in got} == expected  # the prompt an uninterrupted run gives each group id
+    metrics = load_metrics(run_dir / "metrics.jsonl")
+    steps = [int(m["train/version"]) for m in metrics]
+    assert steps == list(range(1, len(steps) + 1)) and steps[-1] == PROMPTS // BATCH  # each step once
+    assert all(m["rollout/staleness_max"] <= ETA for m in metrics)
+    _, model = load_hf_checkpoint(run_dir / "hf_final")
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))

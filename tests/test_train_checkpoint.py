@@ -71,7 +71,7 @@ def test_restore_params_and_adamw_state_onto_another_mesh_shape(tmp_path: Path) 
     params_b = jax.tree.map(jnp.zeros_like, jax.device_put(params, state_shardings(params, mesh_b)))
     target = abstract_target({"params": params_b, "opt_state": tx.init(params_b)})
     restored = TrainCheckpointer(tmp_path).restore(target)
-    assert restored.step == 10
+    assert restored.step == 10 and restored.verified and restored.rejected == ()
     assert restored.metadata == json.loads(json.dumps({**metadata, "step": 10}))
     assert_trees_equal(restored.state, state)
     for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(target), strict=True):
@@ -143,6 +143,6 @@ def test_sigterm_saves_exits_cleanly_and_the_checkpoint_restores(tmp_path: Path)
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))  # 8 devices here, 2 in the worker
     target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))}
     restored = TrainCheckpointer(tmp_path).restore(target)
-    assert restored.step == step
+    assert restored.step == step and restored.verified  # the manifest was written before the worker exited
     assert restored.metadata == {"policy_version": step, "step": step}
     np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.full((8, 4), float(step)))

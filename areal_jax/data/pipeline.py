@@ -38,13 +38,22 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grain
 from grain.experimental import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 
 from areal_jax.configuration import Config, ConfigError, option
-from areal_jax.data.rollout_log import LogEntry, ReadProblem, ShardName, list_shards, read_positions, read_shard
+from areal_jax.data.rollout_log import (
+    TMP_PREFIX,
+    LogEntry,
+    ReadProblem,
+    ShardName,
+    list_shards,
+    read_positions,
+    read_shard,
+)
 from areal_jax.data.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -546,11 +555,13 @@ def pipeline_stats(state: dict[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class SetAside:
-    """What `set_aside_unread` did: shards moved out of the log, and the groups still to be read from it."""
+    """What `set_aside_unread` did: shards moved out of the log, temporary files of unfinished shards
+    deleted, and the groups still to be read from it."""
 
     shards: int
     records: int
     unread_group_ids: frozenset[int]
+    temporaries: int = 0
 
 
 def _log_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -563,8 +574,9 @@ def set_aside_unread(
     directory: str | os.PathLike[str], state: dict[str, Any], into: str | os.PathLike[str]
 ) -> SetAside:
     """Move every shard that a pipeline at `state` has not started reading into `into` (out of the log,
-    kept for inspection), so the log ends where the state is. The rest of a shard it is partway through
-    stays; its group ids are returned, as those groups will still be read."""
+    kept for inspection), so the log ends where the state is, and delete the temporary files of shards
+    that were never committed. The rest of a shard it is partway through stays; its group ids are
+    returned, as those groups will still be read. Only while no writer is live (a resume)."""
     log = _log_state(state)
     next_shard = {str(k): int(v) for k, v in log["next_shard"].items()}
     current = ShardName.parse(log["shard"]) if log["shard"] is not None else None
@@ -575,11 +587,15 @@ def set_aside_unread(
         os.makedirs(into, exist_ok=True)
         os.replace(os.path.join(directory, shard.name), os.path.join(into, shard.name))
         moved, records = moved + 1, records + shard.num_records
+    temporaries = 0
+    for leftover in Path(directory).glob(f"{TMP_PREFIX}*"):
+        leftover.unlink(missing_ok=True)
+        temporaries += 1
     unread: set[int] = set()
     if current is not None:
         entries, _ = read_shard(directory, current, int(log["record"]))
         unread = {entry.trajectory.group_id for entry in entries}
-    return SetAside(moved, records, frozenset(unread))
+    return SetAside(moved, records, frozenset(unread), temporaries)
 
 
 def open_group_ids(state: dict[str, Any]) -> set[int]:

@@ -7,6 +7,7 @@ import dataclasses
 from areal_jax.configuration import Config, option
 from areal_jax.data.rollout_log import RolloutLogConfig
 from areal_jax.inference.engine import EngineConfig
+from areal_jax.rollout.failures import FailureBudgetConfig
 from areal_jax.rollout.staleness import StalenessConfig
 from areal_jax.rollout.workflow import WorkflowConfig
 
@@ -19,6 +20,9 @@ class RolloutConfig(Config):
     workflow: WorkflowConfig = option(default_factory=WorkflowConfig, doc="samples per prompt, sampling, rewards")
     staleness: StalenessConfig = option(default_factory=StalenessConfig, doc="eta and batch size in prompts")
     log: RolloutLogConfig = option(default_factory=RolloutLogConfig, doc="durable rollout log shards")
+    failures: FailureBudgetConfig = option(
+        default_factory=FailureBudgetConfig, doc="how many failed rollouts stop the run"
+    )
     interrupt: bool = option(True, doc="interrupt in-flight generation on weight updates (else drain first)")
     inference_share: int = option(3, ge=1, doc="inference part of the inference:trainer device ratio")
     trainer_share: int = option(1, ge=1, doc="trainer part of the inference:trainer device ratio")

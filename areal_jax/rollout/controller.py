@@ -5,7 +5,8 @@ A background thread runs an asyncio loop. It admits one prompt at a time through
 `tasks` (the task source decides group ids, so a resumed run can re-issue lost groups), starts
 `workflow.run(generator, task, group_id)` as a task, and when a group finishes hands its trajectories to
 `sink` (the rollout log's writer, or any callable) and reports the prompt accepted; a failed workflow is
-logged and reported rejected, so capacity is never leaked. When `tasks` runs out, the running groups are
+logged and reported rejected, so capacity is never leaked; past the `FailureBudget` the controller stops
+admitting, records a `RolloutFailure` in `failure` and calls `on_failure`. When `tasks` runs out, the running groups are
 finished and `exhausted` is set. `stop()` stops admitting, cancels running workflows (which abort their
 generator requests) and joins the thread.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
+from areal_jax.rollout.failures import FailureBudget, FailureBudgetConfig, RolloutFailure
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.workflow import RolloutWorkflow
 
@@ -45,6 +47,8 @@ class RolloutController:
         tasks: Iterator[tuple[int, Any]],
         staleness: StalenessManager,
         sink: Callable[[list[Trajectory]], None],
+        failures: FailureBudgetConfig | None = None,
+        on_failure: Callable[[], None] | None = None,
     ):
         self.generator = generator
         self.workflow = workflow
@@ -53,6 +57,9 @@ class RolloutController:
         self.sink = sink
         self.stats = ControllerStats()
         self.exhausted = threading.Event()  # set once `tasks` ran out and every admitted group ended
+        self.failure: RolloutFailure | None = None  # set when failing rollouts spent the budget
+        self._budget = FailureBudget(failures or FailureBudgetConfig())
+        self._on_failure = on_failure
         self._next_group_id = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -126,11 +133,26 @@ class RolloutController:
             accepted = True
         except asyncio.CancelledError:
             raise
-        except Exception:
-            self.stats.failed += 1
-            logger.exception("workflow failed for task %s (group %d)", getattr(task, "id", task), group_id)
+        except Exception as err:
+            self._failed(err, f"task {getattr(task, 'id', task)} (group {group_id})")
         finally:
             if accepted:
+                self._budget.succeeded()
                 self.stats.accepted += 1
                 self.stats.trajectories += len(trajectories)
             self.staleness.finish(accepted=accepted)
+
+    def _failed(self, error: Exception, where: str) -> None:
+        self.stats.failed += 1
+        if self._budget.should_log():
+            logger.error("workflow failed for %s (%d failures so far): %s", where, self._budget.failed + 1, error)
+        stop = self._budget.failed_with(error, where)
+        if self._budget.failed == 1:
+            logger.error("the first failure's traceback:\n%s", self._budget.first_failure)
+        if stop is not None and self.failure is None:
+            logger.error("stopping the rollouts: %s", stop)
+            self.failure = stop
+            self._stopping.set()
+            self.staleness.close()
+            if self._on_failure is not None:
+                self._on_failure()

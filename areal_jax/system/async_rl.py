@@ -20,19 +20,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from areal_jax.config import ExperimentConfig
-from areal_jax.configuration import to_yaml
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread
 from areal_jax.data.rollout_log import RolloutLogWriter
@@ -56,7 +55,8 @@ from areal_jax.system.assembly import (
     export_policy,
     load_policy,
 )
-from areal_jax.trainer.checkpoint import TrainCheckpointer
+from areal_jax.system.run_dir import prepare_run_dir
+from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target
 
@@ -74,7 +74,8 @@ class RunSummary:
     generation_tokens: int
     interruptions: int
     metrics_file: str
-    final_hf_checkpoint: str
+    final_hf_checkpoint: str | None  # None when stopped by a signal (resumable, nothing final)
+    stopped_by_signal: bool = False
 
 
 class InProcessPublisher:
@@ -100,7 +101,9 @@ def _reward_stats(trajectories: list[Trajectory], version: int) -> dict[str, flo
     correct = np.array([t.reward_components.get("correct", 0.0) for t in trajectories])
     staleness = np.array([version - t.oldest_version() for t in trajectories])
     lengths = np.array([t.length - t.prompt_length for t in trajectories])
+    truncated = np.array([bool(t.metadata.get("truncated", False)) for t in trajectories])
     return {
+        "rollout/truncated_share": float(truncated.mean()),
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/correct_mean": float(correct.mean()),
         "rollout/staleness_mean": float(staleness.mean()),
@@ -131,42 +134,6 @@ class GroupLedger:
         return [g for g in admitted if g not in self.consumed and g not in still_in_pipeline]
 
 
-class RunDirectoryError(Exception):
-    """The run directory does not fit the request (a new run over an old one, a resume with nothing to
-    resume); raised before any work is done."""
-
-
-def _previous_run(run_dir: Path) -> str | None:
-    """What an earlier run left in `run_dir` (None when nothing)."""
-    found = [name for name in ("checkpoints", "rollout_log", "metrics.jsonl", "hf_final") if (run_dir / name).exists()]
-    return ", ".join(found) or None
-
-
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, latest_checkpoint: int | None) -> None:
-    """A new run needs an empty run directory (an old rollout log would feed the new trainer, old
-    checkpoints would clash with new ones): refuse, or with `overwrite` delete the old run first.
-    A resume needs a checkpoint."""
-    if resume and overwrite:
-        raise RunDirectoryError("--resume and --overwrite exclude each other")
-    previous = _previous_run(run_dir)
-    if resume:
-        if latest_checkpoint is None:
-            raise RunDirectoryError(
-                f"nothing to resume: no training checkpoint in {run_dir / 'checkpoints'}"
-                + (f" (found: {previous}); start over with --overwrite" if previous else "")
-            )
-        return
-    if previous is None:
-        return
-    if not overwrite:
-        raise RunDirectoryError(
-            f"{run_dir} holds an earlier run ({previous}); continue it with --resume, start over with "
-            "--overwrite (deletes it), or pick another name=... / output_dir=..."
-        )
-    logger.warning("--overwrite: deleting the earlier run in %s (%s)", run_dir, previous)
-    shutil.rmtree(run_dir)
-
-
 def _truncate_jsonl(path: Path, version: int, key: str) -> None:
     """Keep the lines of steps up to `version` (a resumed run writes the later ones again)."""
     if not path.exists():
@@ -188,217 +155,318 @@ def run_async(
     started = time.perf_counter()
     run_dir = cfg.run_dir
     latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
-    prepare_run_dir(run_dir, resume, overwrite, latest)
+    prepare_run_dir(cfg, resume, overwrite, latest)
     tokenizer = build_tokenizer(cfg)
     inference_mesh, trainer_mesh = build_meshes(cfg)
     model = load_policy(cfg, trainer_mesh, tokenizer)
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
         train_prompts, heldout = build_prompts(cfg, workflow)
         stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
         trainer = Trainer(model, cfg.trainer, trainer_mesh, temperature=cfg.rollout.workflow.sampling.temperature)
         checkpointer = TrainCheckpointer(run_dir / "checkpoints", cfg.train_checkpoint)
         checkpointer.install_signal_handlers()
         try:
-            return _train(
-                cfg,
-                resume,
-                stop_event,
-                started,
-                model,
-                trainer,
-                checkpointer,
-                stream,
-                heldout,
-                workflow,
-                inference_mesh,
-            )
+            training = _TrainingRun(cfg, model, trainer, checkpointer, stream, heldout, workflow, stop_event)
+            if resume:
+                training.restore()
+            return training.run(inference_mesh, started)
         finally:
             checkpointer.close()
 
 
-def _train(
-    cfg: ExperimentConfig,
-    resume: bool,
-    stop_event: threading.Event | None,
-    started: float,
-    model: Decoder,
-    trainer: Trainer,
-    checkpointer: TrainCheckpointer,
-    stream: TaskStream,
-    heldout: list[PromptRecord],
-    workflow: RolloutWorkflow,
-    inference_mesh: Any,
-) -> RunSummary:
-    run_dir = cfg.run_dir
-    log_dir = run_dir / "rollout_log"
-    metrics_path = run_dir / "metrics.jsonl"
-    groups_path = run_dir / "trained_groups.jsonl"  # which prompts each step trained on
-    metadata: dict[str, Any] = {}
-    ledger = GroupLedger()
-    if resume:
-        restored = checkpointer.restore(abstract_target({"params": trainer.params, "opt_state": trainer.opt_state}))
+class RunFailed(RuntimeError):
+    """The run cannot go on (rollouts keep failing, every update is skipped); the message says why."""
+
+
+class _StopWhen:
+    """An `is_set()` that is true once any of its events is, for the pipeline's stop check: a signal
+    (the checkpointer's flag), a failed rollout side, or the caller's stop event."""
+
+    def __init__(self, *checks: Callable[[], bool]):
+        self.checks = checks
+
+    def is_set(self) -> bool:
+        return any(check() for check in self.checks)
+
+
+class _TrainingRun:
+    """The trainer loop of `run_async` and the pieces it drives (one object so the loop stays short)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        model: Decoder,
+        trainer: Trainer,
+        checkpointer: TrainCheckpointer,
+        stream: TaskStream,
+        heldout: list[PromptRecord],
+        workflow: RolloutWorkflow,
+        stop_event: threading.Event | None,
+    ):
+        self.cfg = cfg
+        self.model = model
+        self.trainer = trainer
+        self.checkpointer = checkpointer
+        self.stream = stream
+        self.heldout = heldout
+        self.workflow = workflow
+        self.run_dir = cfg.run_dir
+        self.log_dir = self.run_dir / "rollout_log"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.groups_path = self.run_dir / "trained_groups.jsonl"  # which prompts each step trained on
+        self.metadata: dict[str, Any] = {}
+        self.ledger = GroupLedger()
+        self.pipeline_stop = stop_event or threading.Event()
+        self.rollouts_done = threading.Event()
+        self.skipped_in_a_row = 0
+        self.truncation_warned_at: int | None = None
+
+    def restore(self) -> None:
+        """Continue the newest checkpoint: arrays, version, prompt ledger; the log's unread rest set aside."""
+        trainer, run_dir = self.trainer, self.run_dir
+        restored = self.checkpointer.restore(
+            abstract_target({"params": trainer.params, "opt_state": trainer.opt_state})
+        )
         trainer.params, trainer.opt_state = restored.state["params"], restored.state["opt_state"]
-        metadata = restored.metadata
+        self.metadata = metadata = restored.metadata
         trainer.version = int(metadata["version"])
-        aside = set_aside_unread(log_dir, metadata["pipeline"], run_dir / f"rollout_log_unused/resume-{restored.step}")
-        ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
-        ledger.first_new_id = int(metadata["next_group_id"])
-        ledger.consumed_count = int(metadata["consumed_groups"])
-        _truncate_jsonl(metrics_path, trainer.version, "train/version")
-        _truncate_jsonl(groups_path, trainer.version, "version")
+        aside = set_aside_unread(
+            self.log_dir, metadata["pipeline"], run_dir / f"rollout_log_unused/resume-{restored.step}"
+        )
+        self.ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
+        self.ledger.first_new_id = int(metadata["next_group_id"])
+        self.ledger.consumed_count = int(metadata["consumed_groups"])
+        _truncate_jsonl(self.metrics_path, trainer.version, "train/version")
+        _truncate_jsonl(self.groups_path, trainer.version, "version")
         logger.info(
             "resumed from step %d (version %d): %d unread log records set aside, %d groups re-issued",
             restored.step,
             trainer.version,
             aside.records,
-            len(ledger.reissued),
+            len(self.ledger.reissued),
         )
+        for step, reason in restored.rejected:
+            logger.warning("checkpoint %d was not used: %s", step, reason)
 
-    engine = Engine(model, cfg.rollout.engine, inference_mesh)
-    inference_params = copy_to(trainer.params, state_shardings(trainer.params, inference_mesh))
-    params = engine.load_params(inference_params, trainer.version)
-    engine.warmup(params)
-    staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
-    if metadata:
-        staleness.restore(int(metadata["consumed_groups"]), int(metadata["rejected"]), trainer.version)
-    writer = RolloutLogWriter(
-        log_dir, writer_id=f"rollout{jax.process_index()}-{int(time.time())}", config=cfg.rollout.log
-    )
-    writer_lock = threading.Lock()
-
-    def sink(trajectories: list[Trajectory]) -> None:
-        with writer_lock:
-            for trajectory in trajectories:
-                writer.append(trajectory)
-            writer.flush()  # one shard per group: the trainer sees each group as soon as it is done
-
-    pipeline_stop = stop_event or threading.Event()
-    rollouts_done = threading.Event()
-    batches = iter(
-        build_pipeline(
-            log_dir,
-            cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position is what was trained
-            trainer_version=lambda: trainer.version,
-            stop_event=pipeline_stop,
-            writers_done=rollouts_done,
+    def run(self, inference_mesh: Any, started: float) -> RunSummary:
+        cfg, trainer = self.cfg, self.trainer
+        engine = Engine(self.model, cfg.rollout.engine, inference_mesh)
+        inference_params = copy_to(trainer.params, state_shardings(trainer.params, inference_mesh))
+        params = engine.load_params(inference_params, trainer.version)
+        engine.warmup(params)
+        self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
+        if self.metadata:
+            self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
+        writer = RolloutLogWriter(
+            self.log_dir, writer_id=f"rollout{jax.process_index()}-{int(time.time())}", config=cfg.rollout.log
         )
-    )
-    if metadata:
-        batches.set_state(metadata["pipeline"])
+        writer_lock = threading.Lock()
 
-    profile = ProfileWindow(cfg.profile, run_dir / "profile")
-    first_reward = last_reward = float("nan")
-    trained = 0
-    with Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed) as generator:
-        trainer.publish = InProcessPublisher(generator, staleness, cfg.rollout.interrupt)
-        controller = RolloutController(
-            generator, workflow, stream.groups(ledger.first_new_id, ledger.reissued), staleness, sink
-        ).start()
-        exhausted_watch = threading.Thread(
-            target=lambda: (controller.exhausted.wait(), rollouts_done.set()), daemon=True, name="areal-exhausted"
-        )
-        exhausted_watch.start()
-
-        def metadata_now() -> dict[str, Any]:
-            return _checkpoint_metadata(trainer, batches, staleness, controller, ledger)
-
-        try:
-            with metrics_path.open("a") as metrics, groups_path.open("a") as trained_groups:
-                while trainer.version < cfg.train_steps and not checkpointer.stop_requested:
-                    batch = next(batches, None)
-                    if batch is None:
-                        logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
-                        break
-                    ledger.consume(batch)
-                    version_before = trainer.version
-                    profile.before_step(version_before + 1)
-                    stats = trainer.step(batch)
-                    profile.after_step(trainer.version)
-                    stats.update(_reward_stats(batch, version_before))
-                    stats.update({f"generator/{k}": float(v) for k, v in dataclasses.asdict(generator.stats).items()})
-                    counters = pipeline_stats(batches.get_state())
-                    stats.update({f"pipeline/{k}": float(v) for k, v in counters.items() if isinstance(v, int)})
-                    stats["data/epoch"] = controller.next_group_id / stream.prompts_per_epoch
-                    if _eval_due(cfg, trainer.version) and heldout:
-                        report = evaluate(
-                            generator, workflow, heldout[: cfg.eval.max_prompts or None], cfg.eval, cfg.seed
-                        )
-                        report.write(run_dir / "eval" / f"step-{trainer.version}")
-                        stats.update(report.scalars())
-                    stats["time/wall"] = time.perf_counter() - started
-                    metrics.write(json.dumps(stats) + "\n")
-                    metrics.flush()
-                    groups = sorted({(t.group_id, t.prompt_id) for t in batch})
-                    trained_groups.write(json.dumps({"version": trainer.version, "groups": groups}) + "\n")
-                    trained_groups.flush()
-                    trained += len(batch)
-                    if np.isnan(first_reward):
-                        first_reward = stats["rollout/reward_mean"]
-                    last_reward = stats["rollout/reward_mean"]
-                    logger.info(
-                        "v%d reward %.3f correct %.3f staleness %.2f loss %.4f %.0f tok/s",
-                        trainer.version,
-                        stats["rollout/reward_mean"],
-                        stats["rollout/correct_mean"],
-                        stats["rollout/staleness_mean"],
-                        stats["train/loss"],
-                        stats["train/throughput"],
-                    )
-                    arrays = {"params": trainer.params, "opt_state": trainer.opt_state}
-                    checkpointer.maybe_save(trainer.version, arrays, metadata_now)
-                    if trainer.version >= cfg.train_steps and checkpointer.latest_step() != trainer.version:
-                        checkpointer.save(trainer.version, arrays, metadata_now())  # the last step, always
-        finally:
-            profile.close()
-            pipeline_stop.set()
-            controller.stop()
-            checkpointer.wait()
+        def sink(trajectories: list[Trajectory]) -> None:
             with writer_lock:
-                writer.close()
-        generation_tokens, interruptions = generator.stats.emitted_tokens, generator.stats.interruptions
-    final_dir = export_policy(cfg, nnx.merge(trainer.graphdef, trainer.params), run_dir / "hf_final")
-    return RunSummary(
-        steps=trainer.version - int(metadata.get("version", 0)),
-        version=trainer.version,
-        trajectories_trained=trained,
-        mean_reward_first=first_reward,
-        mean_reward_last=last_reward,
-        wall_seconds=round(time.perf_counter() - started, 2),
-        generation_tokens=generation_tokens,
-        interruptions=interruptions,
-        metrics_file=str(metrics_path),
-        final_hf_checkpoint=str(final_dir),
-    )
+                for trajectory in trajectories:
+                    writer.append(trajectory)
+                writer.flush()  # one shard per group: the trainer sees each group as soon as it is done
+
+        self.batches = iter(
+            build_pipeline(
+                self.log_dir,
+                cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position is what was trained
+                trainer_version=lambda: trainer.version,
+                stop_event=_StopWhen(self.pipeline_stop.is_set, lambda: self.checkpointer.stop_requested),
+                writers_done=self.rollouts_done,
+            )
+        )
+        if self.metadata:
+            self.batches.set_state(self.metadata["pipeline"])
+        profile = ProfileWindow(cfg.profile, self.run_dir / "profile")
+        with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
+            trainer.publish = InProcessPublisher(generator, self.staleness, cfg.rollout.interrupt)
+            self.generator = generator
+            self.controller = RolloutController(
+                generator,
+                self.workflow,
+                self.stream.groups(self.ledger.first_new_id, self.ledger.reissued),
+                self.staleness,
+                sink,
+                failures=cfg.rollout.failures,
+                on_failure=self.pipeline_stop.set,
+            ).start()
+            threading.Thread(
+                target=lambda: (self.controller.exhausted.wait(), self.rollouts_done.set()),
+                daemon=True,
+                name="areal-exhausted",
+            ).start()
+            try:
+                rewards = self._loop(profile, started)
+            finally:
+                profile.close()
+                self.pipeline_stop.set()
+                self.controller.stop()
+                self.checkpointer.wait()
+                with writer_lock:
+                    writer.close()
+        if self.controller.failure is not None:
+            raise RunFailed(str(self.controller.failure)) from self.controller.failure
+        signalled = self.checkpointer.stop_requested
+        final_dir = None
+        if signalled:
+            logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
+        else:
+            final = nnx.merge(trainer.graphdef, trainer.params)
+            if not tree_all_finite(trainer.params):
+                raise RunFailed(f"the policy at step {trainer.version} has non-finite weights; nothing exported")
+            final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
+        return RunSummary(
+            steps=trainer.version - int(self.metadata.get("version", 0)),
+            version=trainer.version,
+            trajectories_trained=rewards.trained,
+            mean_reward_first=rewards.first,
+            mean_reward_last=rewards.last,
+            wall_seconds=round(time.perf_counter() - started, 2),
+            generation_tokens=generator.stats.emitted_tokens,
+            interruptions=generator.stats.interruptions,
+            metrics_file=str(self.metrics_path),
+            final_hf_checkpoint=final_dir,
+            stopped_by_signal=signalled,
+        )
+
+    def _loop(self, profile: ProfileWindow, started: float) -> _RewardTrace:
+        cfg, trainer = self.cfg, self.trainer
+        trace = _RewardTrace()
+        with self.metrics_path.open("a") as metrics, self.groups_path.open("a") as trained_groups:
+            while trainer.version < cfg.train_steps and not self.checkpointer.stop_requested:
+                batch = next(self.batches, None)
+                if batch is None:
+                    if not (self.checkpointer.stop_requested or self.controller.failure):
+                        logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
+                    break
+                self.ledger.consume(batch)
+                version_before = trainer.version
+                profile.before_step(version_before + 1)
+                stats = trainer.step(batch)
+                profile.after_step(trainer.version)
+                stats.update(self._step_stats(batch, version_before, started))
+                metrics.write(json.dumps(stats) + "\n")
+                metrics.flush()
+                groups = sorted({(t.group_id, t.prompt_id) for t in batch})
+                trained_groups.write(json.dumps({"version": trainer.version, "groups": groups}) + "\n")
+                trained_groups.flush()
+                trace.add(stats["rollout/reward_mean"], len(batch))
+                self._log_step(stats)
+                self._check_updates(stats)
+                arrays = {"params": trainer.params, "opt_state": trainer.opt_state}
+                try:
+                    self.checkpointer.maybe_save(trainer.version, arrays, self._checkpoint_metadata)
+                except CheckpointError as err:  # non-finite weights: the newest checkpoint stays the last good one
+                    raise RunFailed(str(err)) from err
+                if trainer.version >= cfg.train_steps:
+                    self._save_now()  # the last step, always
+        if self.checkpointer.stop_requested:
+            self._save_now()
+        return trace
+
+    def _save_now(self) -> None:
+        if self.checkpointer.latest_step() != self.trainer.version and self.controller.failure is None:
+            arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
+            self.checkpointer.save(self.trainer.version, arrays, self._checkpoint_metadata(), wait=True)
+
+    def _step_stats(self, batch: list[Trajectory], version_before: int, started: float) -> dict[str, float]:
+        stats = _reward_stats(batch, version_before)
+        stats.update({f"generator/{k}": float(v) for k, v in dataclasses.asdict(self.generator.stats).items()})
+        counters = pipeline_stats(self.batches.get_state())
+        stats.update({f"pipeline/{k}": float(v) for k, v in counters.items() if isinstance(v, int)})
+        stats["data/epoch"] = self.controller.next_group_id / self.stream.prompts_per_epoch
+        stats["rollout/failed_total"] = float(self.controller.stats.failed)
+        version = self.trainer.version
+        if _eval_due(self.cfg, version) and self.heldout:
+            prompts = self.heldout[: self.cfg.eval.max_prompts or None]
+            report = evaluate(self.generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
+            report.write(self.run_dir / "eval" / f"step-{version}")
+            stats.update(report.scalars())
+        stats["time/wall"] = time.perf_counter() - started
+        return stats
+
+    def _log_step(self, stats: dict[str, float]) -> None:
+        logger.info(
+            "v%d reward %.3f correct %.3f staleness %.2f loss %.4f %.0f tok/s",
+            self.trainer.version,
+            stats["rollout/reward_mean"],
+            stats["rollout/correct_mean"],
+            stats["rollout/staleness_mean"],
+            stats["train/loss"],
+            stats["train/throughput"],
+        )
+        truncated = stats["rollout/truncated_share"]
+        if truncated > 0.5 and (
+            self.truncation_warned_at is None or self.trainer.version - self.truncation_warned_at >= 50
+        ):
+            self.truncation_warned_at = self.trainer.version
+            logger.warning(
+                "%.0f%% of this step's samples hit a length limit (rollout.workflow.sampling.max_new_tokens=%d, "
+                "rollout.engine.max_length=%d); they are handled by rollout.workflow.truncation=%r",
+                100 * truncated,
+                self.cfg.rollout.workflow.sampling.max_new_tokens,
+                self.cfg.rollout.engine.max_length,
+                self.cfg.rollout.workflow.truncation,
+            )
+
+    def _check_updates(self, stats: dict[str, float]) -> None:
+        """Stop a run whose every update is skipped (non-finite loss or gradient) step after step."""
+        if stats["train/skipped_updates"] < self.cfg.trainer.ppo_minibatches:
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        limit = self.cfg.trainer.max_skipped_steps
+        if self.skipped_in_a_row >= limit:
+            raise RunFailed(
+                f"every update of the last {limit} steps was skipped (non-finite loss or gradient; "
+                f"trainer.max_skipped_steps={limit}); the newest checkpoint holds the last finite policy"
+            )
+
+    def _checkpoint_metadata(self) -> dict[str, Any]:
+        """What a resume needs besides the arrays: the version, the pipeline position, the groups consumed
+        (the staleness bound counts them as accepted), the next group id and the outstanding groups."""
+        state = self.batches.get_state()
+        next_group_id = self.controller.next_group_id
+        return {
+            "version": self.trainer.version,
+            "pipeline": state,
+            "consumed_groups": self.ledger.consumed_count,
+            "rejected": self.staleness.snapshot().rejected,
+            "next_group_id": max(next_group_id, self.ledger.first_new_id),
+            "outstanding": self.ledger.outstanding(next_group_id, open_group_ids(state)),
+        }
+
+
+@dataclasses.dataclass
+class _RewardTrace:
+    first: float = float("nan")
+    last: float = float("nan")
+    trained: int = 0
+
+    def add(self, reward: float, trajectories: int) -> None:
+        if np.isnan(self.first):
+            self.first = reward
+        self.last = reward
+        self.trained += trajectories
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def tree_all_finite(tree: Any) -> bool:
+    """Whether every floating array of `tree` is finite (one jitted reduction; sharded arrays welcome)."""
+    return bool(_all_finite(tree))
 
 
 def _eval_due(cfg: ExperimentConfig, version: int) -> bool:
     """Held-out evaluation every `eval.every_steps` steps and after the last one."""
     every = cfg.eval.every_steps
     return bool(every) and (version % every == 0 or version >= cfg.train_steps)
-
-
-def _checkpoint_metadata(
-    trainer: Trainer,
-    batches: Any,
-    staleness: StalenessManager,
-    controller: RolloutController,
-    ledger: GroupLedger,
-) -> dict[str, Any]:
-    """What a resume needs besides the arrays: the version, the pipeline position, the groups consumed
-    (the staleness bound counts them as accepted), the next group id and the outstanding groups."""
-    state = batches.get_state()
-    next_group_id = controller.next_group_id
-    return {
-        "version": trainer.version,
-        "pipeline": state,
-        "consumed_groups": ledger.consumed_count,
-        "rejected": staleness.snapshot().rejected,
-        "next_group_id": max(next_group_id, ledger.first_new_id),
-        "outstanding": ledger.outstanding(next_group_id, open_group_ids(state)),
-    }
 
 
 def load_metrics(path: str | Path) -> list[dict[str, float]]:

@@ -65,6 +65,9 @@ class TrainerConfig(Config):
         doc="optimizer updates per step: the step's sequences are split into this many mini-batches of "
         "balanced token counts, each one update whose loss is normalised by its own loss-token count",
     )
+    max_skipped_steps: int = option(
+        20, ge=1, doc="stop the run after this many steps in a row whose every update was skipped (non-finite)"
+    )
     compute_dtype: Literal["model", "float32", "bfloat16"] = option(
         "model",
         doc="matmul dtype of the trainer ('model' = ModelConfig.compute_dtype); params and Adam state stay float32",
