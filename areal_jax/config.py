@@ -15,6 +15,7 @@ from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
 from areal_jax.rollout.rewards import RewardConfig
 from areal_jax.sharding import MeshConfig
+from areal_jax.system.reporting import ReportConfig
 from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainerConfig
 
@@ -52,6 +53,9 @@ class ExperimentConfig(Config):
         default_factory=PipelineConfig, doc="rollout log -> trainer batches (staleness filter, grouping, prefetch)"
     )
     train_checkpoint: CheckpointConfig = option(default_factory=CheckpointConfig, doc="training checkpoints")
+    report: ReportConfig = option(
+        default_factory=ReportConfig, doc="what a run shows and writes: live display, TensorBoard, plots, W&B"
+    )
     profile: ProfileConfig = option(default_factory=ProfileConfig, doc="an XProf trace over some trainer steps")
     eval: EvalConfig = option(default_factory=EvalConfig, doc="`areal-jax eval`, and held-out evals during `train`")
     compilation_cache_dir: str | None = option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -24,13 +25,22 @@ def tiny_model(seed: int = 0) -> Decoder:
     return Decoder(TINY, nnx.Rngs(seed))
 
 
-def greedy_reference(model: Decoder, prompt: list[int], steps: int) -> list[int]:
-    """Argmax decoding by full forwards without any cache."""
+def greedy_reference(model: Decoder, prompt: list[int], steps: int, width: int = 64) -> list[int]:
+    """Argmax decoding by full forwards without any cache (one jitted forward over a fixed width: the
+    tokens after the sequence are padding, segment 0, which causal attention never lets it see)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_token(state: nnx.State, tokens_1xW: jax.Array, n: jax.Array) -> jax.Array:
+        segments_1xW = (jnp.arange(width) < n).astype(jnp.int32)[None]
+        logits = nnx.merge(graphdef, state).logits(tokens_1xW, segments_1xW, jnp.arange(width)[None])
+        return jnp.argmax(logits[0, n - 1])
+
     seq = list(prompt)
     for _ in range(steps):
-        n = len(seq)
-        logits = model.logits(jnp.asarray([seq]), jnp.ones((1, n), jnp.int32), jnp.arange(n)[None])
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, : len(seq)] = seq
+        seq.append(int(next_token(state, tokens, len(seq))))
     return seq[len(prompt) :]
 
 

@@ -38,28 +38,47 @@ def _setup():
     return generator, workflow, tasks
 
 
+class ParkedStaleness(StalenessManager):
+    """A staleness manager that counts the callers inside `wait_for_capacity`: with no capacity and nothing
+    running, a parked controller cannot start anything until the version moves."""
+
+    def __init__(self, config: StalenessConfig):
+        super().__init__(config)
+        self.parked = 0
+
+    def wait_for_capacity(self, timeout: float | None = None) -> bool:
+        self.parked += 1
+        try:
+            return super().wait_for_capacity(timeout)
+        finally:
+            self.parked -= 1
+
+
 def test_controller_respects_staleness_and_hands_over_groups():
     generator, workflow, tasks = _setup()
-    staleness = StalenessManager(StalenessConfig(max_head_offpolicyness=1, batch_prompts=2, max_concurrent=8))
+    staleness = ParkedStaleness(StalenessConfig(max_head_offpolicyness=1, batch_prompts=2, max_concurrent=8))
     received, lock = [], threading.Lock()
 
     def sink(trajectories):
         with lock:
-            received.append(trajectories)
+            received.append((trajectories, staleness.snapshot().version))
+
+    def blocked() -> bool:
+        snap = staleness.snapshot()
+        return snap.running == 0 and snap.capacity == 0 and staleness.parked == 1
 
     with generator, workflow:
         controller = RolloutController(generator, workflow, tasks, staleness, sink).start()
-        _wait(lambda: len(received) == 4)  # (eta + v + 1) * B = 4 groups at version 0
-        _wait(lambda: staleness.snapshot().running == 0)
-        time.sleep(0.3)
-        assert len(received) == 4 and staleness.snapshot().capacity == 0
+        _wait(blocked)  # every admitted group handed over; the controller waits at the gate
+        assert len(received) == 4 and staleness.snapshot().accepted == 4  # (eta + v + 1) * B at version 0
         staleness.set_version(1)
-        _wait(lambda: len(received) == 6)
+        _wait(lambda: staleness.snapshot().version == 1 and blocked())
         controller.stop()
-    groups = [t[0].group_id for t in received]
+    assert [version for _, version in received] == [0] * 4 + [1] * 2  # nothing more before set_version(1)
+    groups = [t[0].group_id for t, _ in received]
     assert sorted(groups) == list(range(6))
-    assert all(len(t) == 2 and {x.sample_index for x in t} == {0, 1} for t in received)
-    assert controller.stats.accepted == 6 and controller.stats.trajectories == 12 and controller.next_group_id >= 6
+    assert all(len(t) == 2 and {x.sample_index for x in t} == {0, 1} for t, _ in received)
+    assert controller.stats.accepted == 6 and controller.stats.trajectories == 12 and controller.next_group_id == 6
 
 
 def test_failing_sink_rejects_without_leaking_capacity():

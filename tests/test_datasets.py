@@ -123,3 +123,18 @@ def test_limit_and_config_refusals(tmp_path):
 
 def test_every_ready_mapping_is_valid():
     assert set(MAPPINGS) >= {"gsm8k", "deepscaler", "aime24", "aime25", "amc23", "math500", "deepcoder"}
+
+
+def test_a_gs_path_without_gcsfs_is_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_gcsfs(name, *args, **kwargs):
+        if name == "gcsfs" or name.startswith("gcsfs."):
+            raise ImportError("Please install gcsfs to access Google Storage")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_gcsfs)
+    with pytest.raises(ConfigError, match=r"path: 'gs://bucket/train\.jsonl': .*gcsfs.*requirements-tpu\.txt"):
+        load_prompts(DatasetConfig(path="gs://bucket/train.jsonl", mapping="gsm8k"))

@@ -173,7 +173,8 @@ def test_abort_pause_resume_and_stop_strings(models):
         _wait_until(lambda: gen.stats.emitted_tokens >= 2)
         gen.pause()
         frozen = gen.stats.emitted_tokens
-        time.sleep(0.05)
+        gen.pause()  # each pause is a round trip through the loop, which runs an iteration between two of them
+        gen.pause()  # when it ignores the pause: a decode step after `frozen` was read would come before this
         assert gen.stats.emitted_tokens == frozen
         gen.resume()
         gen.abort("x")
@@ -227,7 +228,8 @@ def test_cancelled_caller_aborts_its_request_and_generator_survives(models):
 
     async def main(gen):
         task = asyncio.create_task(gen.generate([1, 2], SamplingParams(max_new_tokens=50, seed=0), request_id="c"))
-        await asyncio.sleep(0.05)
+        while gen.num_in_flight() == 0:  # submitted: the cancellation reaches a request, not a task not yet run
+            await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -248,6 +248,42 @@ def test_stats_of_row_splits_merge_to_whole_batch_stats():
         np.testing.assert_allclose(merged[key], whole[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+def test_merge_rule_over_microbatches_and_over_updates():
+    stats = {
+        "ppo/n_tokens": np.array([3.0, 1.0]),
+        "ppo/clip_frac": np.array([0.2, 0.6]),
+        "ppo/iw_max": np.array([1.5, 2.5]),
+        "ppo/pg_loss": np.array([0.4, 0.2]),
+        "train/loss": np.array([0.5, 0.3]),
+        "train/grad_norm": np.array([1.0, 2.0]),
+        "train/lr": np.array([1e-3, 2e-3]),
+        "train/skipped_updates": np.array([1.0, 0.0]),
+        "train/loss_tokens": np.array([3.0, 1.0]),
+    }
+    stats = {key: value.astype(np.float32) for key, value in stats.items()}
+    common = {
+        "ppo/n_tokens": 4.0,
+        "ppo/clip_frac": (3 * 0.2 + 0.6) / 4,
+        "ppo/iw_max": 2.5,
+        "train/grad_norm": 1.5,
+        "train/lr": 2e-3,
+        "train/skipped_updates": 1.0,
+        "train/loss_tokens": 4.0,
+    }
+    for over, loss_parts in (
+        ("microbatches", {"ppo/pg_loss": 0.6, "train/loss": 0.8}),
+        ("updates", {"ppo/pg_loss": 0.3, "train/loss": 0.4}),
+    ):
+        merged = merge_stats(stats, over=over)
+        assert merged.keys() == stats.keys()
+        for key, expected in (common | loss_parts).items():
+            np.testing.assert_allclose(merged[key], expected, rtol=1e-6, err_msg=f"{over} {key}")
+    single = merge_stats({key: value[:1] for key, value in stats.items()}, over="updates")
+    assert {key: float(value) for key, value in single.items()} == {
+        key: float(value[0]) for key, value in stats.items()
+    }
+
+
 def test_missing_inputs_and_bad_shapes_are_refused():
     batch = make_batch(11)
     args = [jnp.asarray(batch[k]) for k in ("logp", "logp_behav", "adv", "mask")]

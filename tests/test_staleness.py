@@ -1,11 +1,16 @@
-"""Staleness admission control: the AReaL bound, eta = 0 as synchronous, blocking without polling."""
+"""Staleness: admission control (the AReaL bound, eta = 0 as synchronous, blocking waits) and the one rule for
+a trajectory's staleness."""
 
 import threading
 
+import numpy as np
 import pytest
 
 from areal_jax.configuration import ConfigError
+from areal_jax.data.pipeline import staleness_of
+from areal_jax.data.trajectory import Trajectory
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
+from areal_jax.system.async_rl import _reward_stats
 
 
 def test_bound_follows_formula():
@@ -64,3 +69,27 @@ def test_misuse_is_refused():
         manager.set_version(2)
     with pytest.raises(ConfigError, match="batch_prompts"):
         StalenessConfig(batch_prompts=0)
+
+
+def _trajectory(versions: list[int]) -> Trajectory:
+    n = len(versions)
+    return Trajectory(
+        token_ids=np.arange(n, dtype=np.int32),
+        behav_logprobs=np.zeros(n, np.float32),
+        versions=np.asarray(versions, np.int32),
+        loss_mask=np.asarray(versions, np.int32) >= 0,
+        prompt_length=2,
+        reward=0.0,
+        prompt_id="p",
+        group_id=0,
+        sample_index=0,
+    )
+
+
+def test_run_statistics_use_the_one_staleness_rule():
+    """A trajectory without generated tokens (aborted before its first) has staleness 0 in the pipeline's filter
+    and in the run's statistics alike; the statistics once said trainer version + 1."""
+    generated, empty = _trajectory([-1, -1, 3, 4]), _trajectory([-1, -1, -1])
+    assert [staleness_of(t, 5) for t in (generated, empty)] == [2, 0]
+    stats = _reward_stats([generated, empty], version=5)
+    assert stats["rollout/staleness_max"] == 2 and stats["rollout/staleness_mean"] == 1.0

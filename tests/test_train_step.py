@@ -78,7 +78,7 @@ def single_step(model_state):
 def _run_update(step: TrainStep, state, batch: PackedBatch, version: int = 0):
     params, opt_state = step.init(state)
     device_batch = step.put_batch(batch)
-    prox = step.proximal_logprobs(params, device_batch)
+    prox = step.logprobs(params, device_batch)
     return step.update(params, opt_state, device_batch, prox, version)
 
 
@@ -97,7 +97,7 @@ def test_sharded_step_equals_single_device_and_opt_state_is_sharded_like_params(
     for leaf_1, leaf_8 in zip(jax.tree.leaves(params_1), jax.tree.leaves(params_8), strict=True):
         np.testing.assert_allclose(np.asarray(leaf_8), np.asarray(leaf_1), atol=1e-5, rtol=0)
     np.testing.assert_allclose(float(stats_8["train/loss"]), float(stats_1["train/loss"]), atol=1e-6)
-    assert float(stats_8["train/skipped"]) == 0.0
+    assert float(stats_8["train/skipped_updates"]) == 0.0
     for name in ("mu", "nu"):
         moments = optax.tree_utils.tree_get(opt_8, name)
         for moment, param in zip(jax.tree.leaves(moments), jax.tree.leaves(params_8), strict=True):
@@ -119,7 +119,7 @@ def test_loss_and_gradient_do_not_depend_on_microbatching_or_packing(model_state
     def loss_and_grad(batch: PackedBatch):
         params, _ = single_step.init(state)
         device_batch = single_step.put_batch(batch)
-        prox = single_step.proximal_logprobs(params, device_batch)
+        prox = single_step.logprobs(params, device_batch)
         return single_step.gradients(params, device_batch, prox, 0)
 
     loss_ref, grads_ref, stats_ref = loss_and_grad(batch_one)
@@ -144,7 +144,7 @@ def test_proximal_pass_is_token_logprobs_and_first_ratio_is_one(model_state, sin
     assert batch.shape == (1, 4, 64)
     params, opt_state = single_step.init(state)
     device_batch = single_step.put_batch(batch)
-    logp_prox = single_step.proximal_logprobs(params, device_batch)
+    logp_prox = single_step.logprobs(params, device_batch)
     prox = np.asarray(logp_prox)
 
     @jax.jit
@@ -172,9 +172,9 @@ def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
     (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
     params, opt_state = step.init(state)
     # lowered, not compiled (a compile costs seconds here): the program and its statistics
-    lowered = step._update.lower(step.program, params, opt_state, step.put_batch(batch), None, jnp.int32(0))
+    lowered = step._update.lower(step.program, params, opt_state, step.put_batch(batch), None, None, jnp.int32(0))
     stats = lowered.out_info[2]
-    assert "ppo/pg_loss" in stats and "train/skipped" in stats and "ppo/iw_mean" not in stats
+    assert "ppo/pg_loss" in stats and "train/skipped_updates" in stats and "ppo/iw_mean" not in stats
 
 
 def test_train_step_refuses_bf16_master_params_and_rows_that_do_not_split():
@@ -199,8 +199,8 @@ def test_bf16_compute_keeps_fp32_params_and_adam_state(model_state, single_step)
     moments = optax.tree_utils.tree_get(opt_state, "mu")
     assert {leaf.dtype for leaf in jax.tree.leaves(moments)} == {jnp.dtype(jnp.float32)}
     (batch,) = build_batch(make_trajectories(np.random.default_rng(4), 8, lengths=(4, 24)), CONFIG).minibatches
-    logp_bf16 = np.asarray(step.proximal_logprobs(params, step.put_batch(batch)))
+    logp_bf16 = np.asarray(step.logprobs(params, step.put_batch(batch)))
     params_32, _ = single_step.init(state)
-    logp_32 = np.asarray(single_step.proximal_logprobs(params_32, single_step.put_batch(batch)))
+    logp_32 = np.asarray(single_step.logprobs(params_32, single_step.put_batch(batch)))
     real = batch.segment_ids > 0
     assert 0 < np.max(np.abs(logp_bf16 - logp_32)[real]) < 0.05

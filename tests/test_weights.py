@@ -1,4 +1,4 @@
-"""Weight channel: Orbax across processes and mesh shapes, crash safety, version handling, in-process reshard."""
+"""Weight channel: Orbax across processes and mesh shapes, crash safety, version handling; the in-process publisher."""
 
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from areal_jax.inference.engine import Engine, EngineConfig
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.init import create_decoder
+from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
 from areal_jax.sharding import MeshConfig, make_mesh, split_devices, state_shardings
-from areal_jax.weights import InProcessWeights, OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
+from areal_jax.weights import InProcessPublisher, OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
 from tests.weights_worker import TINY, big_params, flat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,54 +192,37 @@ def test_versions_polling_retention_and_a_vanished_version(tmp_path: Path, param
     subscriber.close()
 
 
-def test_in_process_reshard_between_two_meshes(params_2x4: nnx.State) -> None:
-    params = on_mesh(params_2x4, make_mesh(MeshConfig(data=1, fsdp=2, tensor=4)))
-    expected = flat(params)
-    inference_mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
-    target = abstract_target(params, state_shardings(params, inference_mesh))
-
-    channel = InProcessWeights(target)
-    channel.publish(params, 1)
-    for leaf in jax.tree.leaves(params):
-        leaf.delete()  # the trainer donates its buffers; the channel holds its own copy
-    loaded = channel.load(1, target)
-    assert loaded.version == 1
-    for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(target), strict=True):
-        assert got.sharding == want.sharding
-    assert flat(loaded.params).keys() == expected.keys()
-    for key, value in flat(loaded.params).items():
-        np.testing.assert_array_equal(value, expected[key])
-
-
-def test_in_process_disjoint_meshes_versions_and_waiting(params_2x4: nnx.State) -> None:
+@pytest.mark.parametrize("meshes", ["disjoint", "shared"])
+def test_in_process_publisher_swaps_weights_then_admits(params_2x4: nnx.State, meshes: str) -> None:
+    """The trainer's params reach the generator on its own shardings, stay valid after the trainer donates
+    them, are used by the next request, and only then does the staleness manager hear the new version."""
     inference_devices, trainer_devices = split_devices(jax.devices(), 1, 1)
+    if meshes == "shared":
+        inference_devices = trainer_devices = jax.devices()
     trainer_mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), trainer_devices)
     inference_mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), inference_devices)
-    channel = InProcessWeights()  # no target: copies stay on the trainer side until load
-    assert channel.latest_version() is None
-    with pytest.raises(LookupError):
-        channel.load(0, {})
+    model = create_decoder(TINY, 0, inference_mesh)
+    engine = Engine(model, EngineConfig(max_slots=2, max_length=32), inference_mesh)
+    generator_version_at_admission: list[int] = []
 
-    got: list[int | None] = []
-    waiter = threading.Thread(target=lambda: got.append(channel.wait_for_version(2, timeout_s=30)))
-    waiter.start()
-    states = {v: on_mesh(params_2x4, trainer_mesh, offset=v) for v in (1, 2)}
-    target = abstract_target(states[1], state_shardings(states[1], inference_mesh))
-    channel.publish(states[1], 1)
-    expected = flat(states[2])
-    channel.publish(states[2], 2)
-    waiter.join()
-    assert got == [2]
-    with pytest.raises(ValueError, match="version 2 is not newer"):
-        channel.publish(states[2], 2)
-    for leaf in jax.tree.leaves(states[2]):
-        leaf.delete()  # the published copy is the channel's own, even on the trainer's shardings
-    with pytest.raises(ValueError, match="version 5 was not published"):
-        channel.load(5, target)
-    loaded = channel.load(1, target)  # replaced by 2
-    assert loaded.version == 2
-    assert {d for leaf in jax.tree.leaves(loaded.params) for d in leaf.sharding.device_set} == set(inference_devices)
-    assert flat(loaded.params).keys() == expected.keys()
-    for key, value in flat(loaded.params).items():
-        np.testing.assert_array_equal(value, expected[key])
-    assert channel.wait_for_version(3, timeout_s=0.05) is None
+    class Staleness(StalenessManager):
+        def set_version(self, version: int) -> None:
+            generator_version_at_admission.append(generator.version)
+            super().set_version(version)
+
+    staleness = Staleness(StalenessConfig(max_head_offpolicyness=0, batch_prompts=1))
+    new = on_mesh(params_2x4, trainer_mesh, offset=1.0)
+    expected = flat(new)
+    with Generator(engine, engine.load_params(nnx.state(model), 0)) as generator:
+        InProcessPublisher(generator, staleness, interrupt=True)(new, 1)
+        for leaf in jax.tree.leaves(new):
+            leaf.delete()  # what donation to the next train step does
+        assert generator_version_at_admission == [1] and staleness.snapshot().version == 1
+        params = generator.params.state
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(engine.param_shardings), strict=True):
+            assert got.sharding == want
+        assert flat(params).keys() == expected.keys()
+        for key, value in flat(params).items():
+            np.testing.assert_array_equal(value, expected[key])
+        (result,) = generator.submit([1, 2, 3], SamplingParams(max_new_tokens=3, seed=0)).result(timeout=120)
+    assert result.output_versions == (1, 1, 1)

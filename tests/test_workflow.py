@@ -16,7 +16,7 @@ from flax import nnx
 from areal_jax.configuration import ConfigError
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.inference.engine import Engine, EngineConfig
-from areal_jax.inference.generator import GenerationResult, Generator
+from areal_jax.inference.generator import GenerationResult, Generator, mix_seed
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import DEFAULT_ALPHABET, CharTokenizer, HFTokenizer
@@ -122,6 +122,21 @@ def test_single_turn_group_is_prompt_plus_outputs(generator):
         assert traj.timings["reward"] >= 0 and traj.timings["total"] >= traj.timings["generate"]
     expected = [(TOKENIZER.decode(r.output_ids, skip_special_tokens=True), "p0") for r in results]
     assert sorted(seen) == sorted(expected)
+
+
+def test_a_groups_seed_comes_from_the_one_derivation(generator):
+    """A seeded workflow asks for seed `mix_seed(seed, group_id)`: a group run again gets the same samples,
+    another group other ones."""
+    config = WorkflowConfig(n_samples=2, sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=7))
+    with RLVRWorkflow(config, TOKENIZER, lambda text, task: (0.0, {})) as workflow:
+        runs = [asyncio.run(workflow.run(generator, _task(f"seed-{i}"), group_id=g)) for i, g in enumerate((3, 3, 4))]
+    assert [generator.calls[f"seed-{i}:g{g}"][1].seed for i, g in enumerate((3, 3, 4))] == [
+        mix_seed(7, 3),
+        mix_seed(7, 3),
+        mix_seed(7, 4),
+    ]
+    tokens = [[t.token_ids.tolist() for t in run] for run in runs]
+    assert tokens[0] == tokens[1] != tokens[2]
 
 
 @pytest.mark.parametrize("mode", ["keep", "mask", "penalize"])

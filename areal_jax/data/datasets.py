@@ -245,7 +245,11 @@ def to_record(row: Mapping[str, Any], fields: FieldMapping, source: str, default
 def load_prompts(config: DatasetConfig) -> PromptDataset:
     """Read `config.path` into a `PromptDataset`, refusing or skipping malformed rows as configured."""
     path = epath.Path(config.path)
-    if not path.is_file():
+    try:
+        exists = path.is_file()
+    except ImportError as err:  # etils reads gs:// through gcsfs, an optional dependency
+        raise ConfigError("path", f"{config.path!r}: {err} (it is in requirements-tpu.txt)") from None
+    if not exists:
         raise FileNotFoundError(f"dataset file {config.path!r} does not exist")
     fmt = config.format if config.format != "auto" else path.suffix.lstrip(".")
     rows = _jsonl_rows(path) if fmt == "jsonl" else _parquet_rows(path)

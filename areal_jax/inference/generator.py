@@ -50,19 +50,21 @@ logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length", "abort"]
 
 
-def _mix(*values: int) -> int:
-    """SplitMix64 over `values`: a well-spread 64-bit integer for seeding, computed on the host."""
+def mix_seed(*values: int) -> int:
+    """A well-spread seed in [0, 2**63) from `values` (SplitMix64, on the host). Every derived seed comes
+    from here: a request's when it has none, each sample's PRNG key, a workflow's per-group and per-turn
+    seeds. It fits an int64, so any consumer of `SamplingParams.seed` takes it."""
     state = 0x9E3779B97F4A7C15
     for value in values:
         state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
         state = (state ^ (state >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         state ^= state >> 31
-    return state
+    return state >> 1
 
 
 def _key_words(seed: int, sample_index: int, position: int) -> tuple[int, int]:
     """The two uint32 words of the PRNG key a sample uses when (re-)inserted after `position` tokens."""
-    mixed = _mix(seed, sample_index, position)
+    mixed = mix_seed(seed, sample_index, position)
     return mixed >> 32, mixed & 0xFFFFFFFF
 
 
@@ -272,7 +274,7 @@ class Generator:
         request_id = request_id or f"req-{next(self._ids)}"
         future: concurrent.futures.Future = concurrent.futures.Future()
         request = _Request(request_id, prompt, sampling, n, future, time.perf_counter())
-        request_seed = sampling.seed if sampling.seed is not None else _mix(self._seed, next(self._ids))
+        request_seed = sampling.seed if sampling.seed is not None else mix_seed(self._seed, next(self._ids))
         request.samples = [_Sample(request, i, (request_seed, i)) for i in range(n)]
         self._count_in_flight(1)
         try:
@@ -285,12 +287,13 @@ class Generator:
     async def generate(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
     ) -> list[GenerationResult]:
+        """`submit` awaited; a cancelled caller aborts the request (freeing its slots) and the generator goes on."""
         request_id = request_id or f"req-{next(self._ids)}"
         future = self.submit(prompt_ids, sampling, n, request_id)
         try:
             return await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
-            self.abort(request_id)  # a cancelled caller frees its slots; the generator keeps running
+            self.abort(request_id)
             raise
 
     def abort(self, request_id: str) -> None:

@@ -1,11 +1,13 @@
-"""Attention behind one function, masked by segment ids and positions, with swappable kernels.
+"""Attention by name: one function for rows masked by segment ids and positions, one for decoding.
 
 Legend: B batch rows, T query length, S key/value length, N query heads, K key/value heads,
 G = N / K query heads per KV head, H head dim.
 
-A query attends to a key when both belong to the same non-zero segment and the key's position is
-not after the query's. The same rule covers packed training rows, right-padded prefill rows and
-decoding against a slot cache (where stale cache entries carry segment 0).
+`get_attention(name)` returns the row attention: a query attends to a key when both belong to the same
+non-zero segment and the key's position is not after the query's. That rule covers packed training rows
+and right-padded prefill rows. `get_attention(name, decode=True)` returns the decode attention: one new
+token per cache slot attends to the slot's cache entries that `cache_valid_BxS` marks (those before its
+position) and to its own key/value, which is kept out of the cache. `xla` is the only implementation.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ DECODE_ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": xla_decode_attention}
 
 
 def get_attention(name: str, decode: bool = False) -> AttentionFn:
+    """The row attention (or, with `decode`, the decode attention) named `name`."""
     impls = DECODE_ATTENTION_IMPLS if decode else ATTENTION_IMPLS
     if name not in impls:
         raise KeyError(f"attention implementation {name!r} unknown; available: {sorted(impls)}")

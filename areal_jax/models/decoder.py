@@ -110,14 +110,15 @@ class Decoder(nnx.Module):
             step = jax.checkpoint(step, policy=_REMAT_POLICIES[self.config.remat])
         return jax.lax.scan(step, carry, (state, jnp.arange(self.config.num_layers)))
 
-    # -- (a) packed forward -------------------------------------------------------------------
-
-    def hidden_states(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] of packed rows."""
+    def _run_rows(
+        self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array, keep_kv: bool
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Every layer over rows masked by segment ids and positions (packed or right-padded): the last
+        layer's output [B, T, D] (not normed) and, with `keep_kv`, each layer's keys/values [Y, B, T, K, H]."""
         attend = get_attention(self.config.attention_impl)
         sin, cos = self._rope(positions_BxT)
 
-        def body(x_BxTxD: jax.Array, layer: DecoderLayer, _: jax.Array) -> tuple[jax.Array, None]:
+        def body(x_BxTxD: jax.Array, layer: DecoderLayer, _: jax.Array):
             q, k, v = layer.attention_inputs(x_BxTxD, sin, cos)
             out = attend(
                 q,
@@ -128,9 +129,15 @@ class Decoder(nnx.Module):
                 q_positions=positions_BxT,
                 kv_positions=positions_BxT,
             )
-            return layer.finish(x_BxTxD, out), None
+            return layer.finish(x_BxTxD, out), ((k, v) if keep_kv else None)
 
-        x_BxTxD, _ = self._scan_layers(body, self._embed(tokens_BxT))
+        return self._scan_layers(body, self._embed(tokens_BxT))
+
+    # -- (a) packed forward -------------------------------------------------------------------
+
+    def hidden_states(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+        """Final-normed hidden states [B, T, D] of packed rows."""
+        x_BxTxD, _ = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=False)
         return self.final_norm(x_BxTxD)
 
     def logits(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
@@ -160,28 +167,10 @@ class Decoder(nnx.Module):
     def prefill(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> tuple[jax.Array, KVCache]:
         """Run right-padded prompts; return fp32 logits [B, V] at each last real token and the KV cache
         [Y, B, T, K, H] (entries past a prompt's length are garbage and must stay masked)."""
-        attend = get_attention(self.config.attention_impl)
         b, t = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
-        sin, cos = self._rope(positions_BxT)
-
-        def body(
-            x_BxTxD: jax.Array, layer: DecoderLayer, _: jax.Array
-        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            q, k, v = layer.attention_inputs(x_BxTxD, sin, cos)
-            out = attend(
-                q,
-                k,
-                v,
-                q_segment_ids=segment_ids_BxT,
-                kv_segment_ids=segment_ids_BxT,
-                q_positions=positions_BxT,
-                kv_positions=positions_BxT,
-            )
-            return layer.finish(x_BxTxD, out), (k, v)
-
-        x_BxTxD, (k_YxBxTxKxH, v_YxBxTxKxH) = self._scan_layers(body, self._embed(tokens_BxT))
+        x_BxTxD, (k_YxBxTxKxH, v_YxBxTxKxH) = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=True)
         last_BxD = jnp.take_along_axis(x_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32

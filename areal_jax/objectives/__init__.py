@@ -3,17 +3,22 @@
 from areal_jax.objectives.advantages import sequence_advantages, shape_rewards, token_advantages
 from areal_jax.objectives.config import AdvantageConfig, PPOConfig
 from areal_jax.objectives.kl import kl_estimate, kl_loss, kl_shaped_advantages
-from areal_jax.objectives.ppo import ppo_loss
-from areal_jax.objectives.stats import merge_stats
+from areal_jax.objectives.ppo import PPOTerms, ppo_loss, ppo_stats, ppo_terms
+from areal_jax.objectives.stats import count_loss_tokens, loss_token_mean, merge_stats
 
 __all__ = [
     "AdvantageConfig",
     "PPOConfig",
+    "PPOTerms",
+    "count_loss_tokens",
     "kl_estimate",
     "kl_loss",
     "kl_shaped_advantages",
+    "loss_token_mean",
     "merge_stats",
     "ppo_loss",
+    "ppo_stats",
+    "ppo_terms",
     "sequence_advantages",
     "shape_rewards",
     "token_advantages",

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.objectives.config import KLEstimator
-from areal_jax.objectives.stats import safe_div
+from areal_jax.objectives.stats import count_loss_tokens, loss_token_mean, safe_div
 
 
 def kl_estimate(logp_BxL: jax.Array, logp_ref_BxL: jax.Array, estimator: KLEstimator) -> jax.Array:
@@ -39,8 +39,8 @@ def kl_loss(
     mask_BxL = loss_mask_BxL.astype(bool)
     kl_BxL = kl_estimate(jnp.where(mask_BxL, logp_BxL, 0.0), jnp.where(mask_BxL, logp_ref_BxL, 0.0), estimator)
     kl_sum = jnp.sum(jnp.where(mask_BxL, kl_BxL, 0.0))
-    loss = coef * kl_sum / jnp.maximum(num_loss_tokens_global, 1)
-    n_tokens = jnp.sum(mask_BxL).astype(kl_sum.dtype)
+    loss = loss_token_mean(coef * kl_sum, num_loss_tokens_global)
+    n_tokens = count_loss_tokens(mask_BxL).astype(kl_sum.dtype)
     return loss, {"kl/kl_loss": loss, "kl/kl_mean": safe_div(kl_sum, n_tokens), "kl/n_tokens": n_tokens}
 
 
@@ -79,5 +79,5 @@ def kl_shaped_advantages(
     kl_BxL = jax.lax.stop_gradient(jnp.where(mask_BxL, kl_BxL, 0.0))
     to_go_BxL = _segmented_reverse_cumsum(kl_BxL, segment_ids_BxL)
     shaped_BxL = jnp.where(mask_BxL, adv_BxL - coef * to_go_BxL, 0.0)
-    n_tokens = jnp.sum(mask_BxL).astype(kl_BxL.dtype)
+    n_tokens = count_loss_tokens(mask_BxL).astype(kl_BxL.dtype)
     return shaped_BxL, {"kl_reward/kl_mean": safe_div(jnp.sum(kl_BxL), n_tokens), "kl_reward/n_tokens": n_tokens}

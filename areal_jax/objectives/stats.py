@@ -1,16 +1,21 @@
-"""Masked token statistics, per-staleness breakdowns, and merging statistics of several micro-batches.
+"""Loss-token counts, masked token statistics, per-staleness breakdowns, and merging the statistics of parts.
 
-Statistic keys follow one rule so that micro-batch results can be merged (`merge_stats`):
-  `<prefix>/n_tokens`   a count, summed;
-  `<name>_max`          a maximum, maxed;
-  `<name>_loss`         a loss part already divided by the global token count, summed;
-  anything else         a mean over the tokens counted by the sibling `<prefix>/n_tokens`, count-weighted.
-Legend: B rows of a packed micro-batch, L row length, K staleness buckets, M micro-batches.
+Statistic keys follow one rule, by the last part of the key, so that the statistics of the parts of a step
+can be merged (`merge_stats`):
+  `*_tokens`, `*_updates`   counts, summed;
+  `*_max`                   maxima, maxed;
+  `loss`, `*_loss`          loss parts, each divided by its update's loss-token count: summed over the
+                            micro-batches of one update, averaged over the updates of a step;
+  `lr`                      the learning rate: the last update's;
+  anything else             a mean over the tokens counted by the sibling `<prefix>/n_tokens`, count-weighted;
+                            without a sibling count (a per-update value such as `train/grad_norm`) a plain mean.
+Legend: B rows of a packed micro-batch, L row length, K staleness buckets, M parts (micro-batches or updates).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +27,19 @@ def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(ok, num / jnp.where(ok, den, 1), 0)
 
 
+def count_loss_tokens(loss_mask: Any) -> Any:
+    """The number of loss tokens (where the loss mask is true) in a NumPy or JAX mask of any shape."""
+    return loss_mask.astype(bool).sum()
+
+
+def loss_token_mean(total: jax.Array, num_loss_tokens_global: jax.Array | int) -> jax.Array:
+    """A sum over loss tokens divided by the global loss-token count (at least 1): how every loss is normalised."""
+    return total / jnp.maximum(jnp.asarray(num_loss_tokens_global, total.dtype), 1)
+
+
 def masked_mean(x_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
     """Mean of x over the tokens where mask is true; 0 if there are none."""
-    return safe_div(jnp.sum(jnp.where(mask_BxL, x_BxL, 0)), jnp.sum(mask_BxL).astype(x_BxL.dtype))
+    return safe_div(jnp.sum(jnp.where(mask_BxL, x_BxL, 0)), count_loss_tokens(mask_BxL).astype(x_BxL.dtype))
 
 
 def masked_max(x_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
@@ -75,24 +90,32 @@ def bucketed_stats(
     return out
 
 
-def merge_stats(stats_M: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Merge statistics of M micro-batches stacked on a leading axis into those of the whole batch.
+def merge_stats(
+    stats_M: Mapping[str, jax.Array], over: Literal["microbatches", "updates"] = "microbatches"
+) -> dict[str, jax.Array]:
+    """Merge the statistics of M parts stacked on a leading axis into those of the whole, by the key rule of
+    this module: the micro-batches of one update (parts of one normalised loss) or the updates of a step.
 
-    Applies the key rule of this module: counts and `_loss` parts summed, `_max` maxed, other values
-    averaged weighted by their sibling `n_tokens` (0 when the total count is 0). A list of per-micro-batch
-    dicts can be stacked first with `jax.tree.map(lambda *x: jnp.stack(x), *stats_list)`.
+    Takes JAX or NumPy arrays; a single part is returned as it is. A list of per-part dicts can be stacked with
+    `jax.tree.map(lambda *x: jnp.stack(x), *stats_list)`.
     """
     merged: dict[str, jax.Array] = {}
     for key, value_M in stats_M.items():
         prefix, _, name = key.rpartition("/")
-        if name == "n_tokens" or name.endswith("_loss"):
+        count_key = f"{prefix}/n_tokens" if prefix else "n_tokens"
+        if value_M.shape[0] == 1:
+            merged[key] = value_M[0]
+        elif name.endswith(("_tokens", "_updates")):
             merged[key] = jnp.sum(value_M, axis=0)
         elif name.endswith("_max"):
             merged[key] = jnp.max(value_M, axis=0)
-        else:
-            count_key = f"{prefix}/n_tokens" if prefix else "n_tokens"
-            if count_key not in stats_M:
-                raise KeyError(f"statistic {key!r} is a mean but its count {count_key!r} is missing")
+        elif name == "loss" or name.endswith("_loss"):
+            merged[key] = jnp.sum(value_M, axis=0) if over == "microbatches" else jnp.mean(value_M, axis=0)
+        elif name == "lr":
+            merged[key] = value_M[-1]
+        elif count_key in stats_M:
             count_M = stats_M[count_key].astype(value_M.dtype)
             merged[key] = safe_div(jnp.sum(value_M * count_M, axis=0), jnp.sum(count_M, axis=0))
+        else:
+            merged[key] = jnp.mean(value_M, axis=0)
     return merged

@@ -94,7 +94,7 @@ class RolloutController:
         running: set[asyncio.Task] = set()
         try:
             while not self._stopping.is_set():
-                admitted = await asyncio.to_thread(self.staleness.wait_for_capacity, 0.5)
+                admitted = await asyncio.to_thread(self.staleness.wait_for_capacity)  # stop() and a failure close() it
                 if not admitted:
                     continue
                 item = next(self.tasks, None)

@@ -7,7 +7,10 @@ max_head_offpolicyness, a new prompt is admitted only while
 
 where `accepted` counts prompts whose samples were handed to the trainer side and `running` those
 still generating. eta = 0 is synchronous RL: the next batch starts only after the trainer consumed
-the previous one. Thread-safe; `wait_for_capacity` blocks on a condition variable, never polls.
+the previous one. Thread-safe. `wait_for_capacity` sleeps on a condition variable that `finish`,
+`set_version`, `restore` and `close` notify, so a waiter wakes when the answer may have changed; its
+optional timeout bounds the wait, and `close` wakes every waiter with False (how the rollout controller's
+`stop()` ends its admission wait).
 """
 
 from __future__ import annotations

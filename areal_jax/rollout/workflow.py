@@ -36,7 +36,7 @@ import numpy as np
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.inference.generator import GenerationResult, Generator
+from areal_jax.inference.generator import GenerationResult, Generator, mix_seed
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.rollout.environments import Environment, EnvStep, Message, RewardFn
@@ -190,8 +190,7 @@ def _request_sampling(sampling: SamplingParams, *entropy: int) -> SamplingParams
     """`sampling` with a seed derived from its own and `entropy` (group, sample, turn); unseeded stays so."""
     if sampling.seed is None:
         return sampling
-    state = np.random.SeedSequence([sampling.seed, *entropy]).generate_state(1)[0]
-    return sampling.replace(seed=int(state >> 1))
+    return sampling.replace(seed=mix_seed(sampling.seed, *entropy))
 
 
 class RolloutWorkflow(abc.ABC):
@@ -260,16 +259,11 @@ def _check_group_id(group_id: int) -> None:
 async def _generate(
     generator: Generator, task: TaskItem, prompt_ids: Sequence[int], sampling: SamplingParams, n: int, request_id: str
 ) -> list[GenerationResult]:
-    """The generator's n results; a cancelled caller aborts the request instead of cancelling its future."""
+    """The generator's n results (a cancelled caller aborts the request); a refused request names the task."""
     try:
-        future = generator.submit(prompt_ids, sampling, n, request_id)
+        return await generator.generate(prompt_ids, sampling, n, request_id)
     except ValueError as err:
         raise ValueError(f"prompt {task.id!r}: {err}") from err
-    try:
-        return await asyncio.shield(asyncio.wrap_future(future))
-    except asyncio.CancelledError:
-        generator.abort(request_id)
-        raise
 
 
 class RLVRWorkflow(RolloutWorkflow):

@@ -32,8 +32,9 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.config import ExperimentConfig
+from areal_jax.configuration import to_dict
 from areal_jax.data.datasets import PromptRecord
-from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread
+from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread, staleness_of
 from areal_jax.data.rollout_log import RolloutLogWriter
 from areal_jax.data.tasks import TaskStream
 from areal_jax.data.trajectory import Trajectory
@@ -55,10 +56,12 @@ from areal_jax.system.assembly import (
     export_policy,
     load_policy,
 )
+from areal_jax.system.reporting import RunReporter
 from areal_jax.system.run_dir import prepare_run_dir
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target
+from areal_jax.weights.in_process import InProcessPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -78,28 +81,10 @@ class RunSummary:
     stopped_by_signal: bool = False
 
 
-class InProcessPublisher:
-    """Trainer -> generator weights within one program: copy onto the inference shardings, swap them in,
-    and tell the staleness manager the new version."""
-
-    def __init__(self, generator: Generator, staleness: StalenessManager, interrupt: bool):
-        self.generator = generator
-        self.staleness = staleness
-        self.interrupt = interrupt
-        self.shardings = generator.engine.param_shardings or jax.tree.map(lambda x: x.sharding, generator.params.state)
-
-    def __call__(self, params: nnx.State, version: int) -> None:
-        started = time.perf_counter()
-        copied = copy_to(params, self.shardings)
-        self.generator.update_params(copied, version, interrupt=self.interrupt).result()
-        self.staleness.set_version(version)
-        logger.debug("published v%d in %.3f s", version, time.perf_counter() - started)
-
-
 def _reward_stats(trajectories: list[Trajectory], version: int) -> dict[str, float]:
     rewards = np.array([t.reward for t in trajectories])
     correct = np.array([t.reward_components.get("correct", 0.0) for t in trajectories])
-    staleness = np.array([version - t.oldest_version() for t in trajectories])
+    staleness = np.array([staleness_of(t, version) for t in trajectories])
     lengths = np.array([t.length - t.prompt_length for t in trajectories])
     truncated = np.array([bool(t.metadata.get("truncated", False)) for t in trajectories])
     return {
@@ -162,7 +147,14 @@ def run_async(
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
         train_prompts, heldout = build_prompts(cfg, workflow)
         stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
-        trainer = Trainer(model, cfg.trainer, trainer_mesh, temperature=cfg.rollout.workflow.sampling.temperature)
+        kl = cfg.trainer.ppo.kl_coef > 0 or cfg.trainer.advantage.kl_reward_coef > 0
+        trainer = Trainer(
+            model,
+            cfg.trainer,
+            trainer_mesh,
+            temperature=cfg.rollout.workflow.sampling.temperature,
+            reference_params=nnx.state(model) if kl else None,  # the starting policy (also on --resume)
+        )
         checkpointer = TrainCheckpointer(run_dir / "checkpoints", cfg.train_checkpoint)
         checkpointer.install_signal_handlers()
         try:
@@ -236,8 +228,7 @@ class _TrainingRun:
         self.ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
         self.ledger.first_new_id = int(metadata["next_group_id"])
         self.ledger.consumed_count = int(metadata["consumed_groups"])
-        _truncate_jsonl(self.metrics_path, trainer.version, "train/version")
-        _truncate_jsonl(self.groups_path, trainer.version, "version")
+        _truncate_jsonl(self.groups_path, trainer.version, "version")  # metrics.jsonl: the reporter's
         logger.info(
             "resumed from step %d (version %d): %d unread log records set aside, %d groups re-issued",
             restored.step,
@@ -280,61 +271,68 @@ class _TrainingRun:
         if self.metadata:
             self.batches.set_state(self.metadata["pipeline"])
         profile = ProfileWindow(cfg.profile, self.run_dir / "profile")
-        with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
-            trainer.publish = InProcessPublisher(generator, self.staleness, cfg.rollout.interrupt)
-            self.generator = generator
-            self.controller = RolloutController(
-                generator,
-                self.workflow,
-                self.stream.groups(self.ledger.first_new_id, self.ledger.reissued),
-                self.staleness,
-                sink,
-                failures=cfg.rollout.failures,
-                on_failure=self.pipeline_stop.set,
-            ).start()
-            threading.Thread(
-                target=lambda: (self.controller.exhausted.wait(), self.rollouts_done.set()),
-                daemon=True,
-                name="areal-exhausted",
-            ).start()
-            try:
-                rewards = self._loop(profile, started)
-            finally:
-                profile.close()
-                self.pipeline_stop.set()
-                self.controller.stop()
-                self.checkpointer.wait()
-                with writer_lock:
-                    writer.close()
-        if self.controller.failure is not None:
-            raise RunFailed(str(self.controller.failure)) from self.controller.failure
-        signalled = self.checkpointer.stop_requested
-        final_dir = None
-        if signalled:
-            logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
-        else:
-            final = nnx.merge(trainer.graphdef, trainer.params)
-            if not tree_all_finite(trainer.params):
-                raise RunFailed(f"the policy at step {trainer.version} has non-finite weights; nothing exported")
-            final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
-        return RunSummary(
-            steps=trainer.version - int(self.metadata.get("version", 0)),
-            version=trainer.version,
-            trajectories_trained=rewards.trained,
-            mean_reward_first=rewards.first,
-            mean_reward_last=rewards.last,
-            wall_seconds=round(time.perf_counter() - started, 2),
-            generation_tokens=generator.stats.emitted_tokens,
-            interruptions=generator.stats.interruptions,
-            metrics_file=str(self.metrics_path),
-            final_hf_checkpoint=final_dir,
-            stopped_by_signal=signalled,
+        self.reporter = RunReporter(
+            cfg.report, self.run_dir, cfg.train_steps, start_step=trainer.version, hparams=to_dict(cfg)
         )
+        try:
+            with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
+                trainer.publish = InProcessPublisher(generator, self.staleness, cfg.rollout.interrupt)
+                self.generator = generator
+                self.controller = RolloutController(
+                    generator,
+                    self.workflow,
+                    self.stream.groups(self.ledger.first_new_id, self.ledger.reissued),
+                    self.staleness,
+                    sink,
+                    failures=cfg.rollout.failures,
+                    on_failure=self.pipeline_stop.set,
+                ).start()
+                threading.Thread(
+                    target=lambda: (self.controller.exhausted.wait(), self.rollouts_done.set()),
+                    daemon=True,
+                    name="areal-exhausted",
+                ).start()
+                try:
+                    rewards = self._loop(profile, started)
+                finally:
+                    profile.close()
+                    self.pipeline_stop.set()
+                    self.controller.stop()
+                    self.checkpointer.wait()
+                    with writer_lock:
+                        writer.close()
+            if self.controller.failure is not None:
+                raise RunFailed(str(self.controller.failure)) from self.controller.failure
+            signalled = self.checkpointer.stop_requested
+            final_dir = None
+            if signalled:
+                logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
+            else:
+                final = nnx.merge(trainer.graphdef, trainer.params)
+                if not tree_all_finite(trainer.params):
+                    raise RunFailed(f"the policy at step {trainer.version} has non-finite weights; nothing exported")
+                final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
+            self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
+            return RunSummary(
+                steps=trainer.version - int(self.metadata.get("version", 0)),
+                version=trainer.version,
+                trajectories_trained=rewards.trained,
+                mean_reward_first=rewards.first,
+                mean_reward_last=rewards.last,
+                wall_seconds=round(time.perf_counter() - started, 2),
+                generation_tokens=generator.stats.emitted_tokens,
+                interruptions=generator.stats.interruptions,
+                metrics_file=str(self.metrics_path),
+                final_hf_checkpoint=final_dir,
+                stopped_by_signal=signalled,
+            )
+        finally:
+            self.reporter.close(self._outputs())  # after a failure (a no-op once closed)
 
     def _loop(self, profile: ProfileWindow, started: float) -> _RewardTrace:
         cfg, trainer = self.cfg, self.trainer
         trace = _RewardTrace()
-        with self.metrics_path.open("a") as metrics, self.groups_path.open("a") as trained_groups:
+        with self.groups_path.open("a") as trained_groups:
             while trainer.version < cfg.train_steps and not self.checkpointer.stop_requested:
                 batch = next(self.batches, None)
                 if batch is None:
@@ -347,8 +345,8 @@ class _TrainingRun:
                 stats = trainer.step(batch)
                 profile.after_step(trainer.version)
                 stats.update(self._step_stats(batch, version_before, started))
-                metrics.write(json.dumps(stats) + "\n")
-                metrics.flush()
+                self._monitor_logprobs(stats)
+                self.reporter.log(trainer.version, stats)
                 groups = sorted({(t.group_id, t.prompt_id) for t in batch})
                 trained_groups.write(json.dumps({"version": trainer.version, "groups": groups}) + "\n")
                 trained_groups.flush()
@@ -375,7 +373,11 @@ class _TrainingRun:
         stats = _reward_stats(batch, version_before)
         stats.update({f"generator/{k}": float(v) for k, v in dataclasses.asdict(self.generator.stats).items()})
         counters = pipeline_stats(self.batches.get_state())
-        stats.update({f"pipeline/{k}": float(v) for k, v in counters.items() if isinstance(v, int)})
+        for key, value in counters.items():
+            if isinstance(value, dict):  # samples kept/dropped per staleness
+                stats.update({f"pipeline/{key}/{k}": float(v) for k, v in value.items()})
+            else:
+                stats[f"pipeline/{key}"] = float(value)
         stats["data/epoch"] = self.controller.next_group_id / self.stream.prompts_per_epoch
         stats["rollout/failed_total"] = float(self.controller.stats.failed)
         version = self.trainer.version
@@ -387,16 +389,15 @@ class _TrainingRun:
         stats["time/wall"] = time.perf_counter() - started
         return stats
 
+    def _outputs(self) -> list[str]:
+        """The run's outputs besides the reporter's, for its closing summary."""
+        lines = [f"checkpoints: {self.run_dir / 'checkpoints'}", f"trained prompts: {self.groups_path}"]
+        if (self.run_dir / "eval").is_dir():
+            lines.append(f"held-out evaluations: {self.run_dir / 'eval'}")
+        return lines
+
     def _log_step(self, stats: dict[str, float]) -> None:
-        logger.info(
-            "v%d reward %.3f correct %.3f staleness %.2f loss %.4f %.0f tok/s",
-            self.trainer.version,
-            stats["rollout/reward_mean"],
-            stats["rollout/correct_mean"],
-            stats["rollout/staleness_mean"],
-            stats["train/loss"],
-            stats["train/throughput"],
-        )
+        """The warnings of a step (the reporter logs its line)."""
         truncated = stats["rollout/truncated_share"]
         if truncated > 0.5 and (
             self.truncation_warned_at is None or self.trainer.version - self.truncation_warned_at >= 50
@@ -409,6 +410,26 @@ class _TrainingRun:
                 self.cfg.rollout.workflow.sampling.max_new_tokens,
                 self.cfg.rollout.engine.max_length,
                 self.cfg.rollout.workflow.truncation,
+            )
+
+    def _monitor_logprobs(self, stats: dict[str, float]) -> None:
+        """Sampler vs trainer log-probs on the tokens the trainer's current version sampled (staleness 0):
+        the same weights on both sides, so any gap is numerics (dtype, kernels, masking)."""
+        tokens = stats.get("staleness/0/n_tokens", 0.0)
+        if not tokens:
+            return  # every token came from an older version (eta > 0 at steady state)
+        gap, kl = stats["staleness/0/logp_abs_diff"], stats["staleness/0/approx_kl"]
+        stats.update({"monitor/onpolicy_tokens": tokens, "monitor/logp_abs_diff": gap, "monitor/kl": kl})
+        limit = self.cfg.trainer.logprob_mismatch_warning
+        if gap > limit:
+            logger.warning(
+                "sampler and trainer log-probs differ by %.3g on average (max %.3g, KL %.3g) on %d tokens "
+                "of the current version, above trainer.logprob_mismatch_warning=%g: check compute dtypes",
+                gap,
+                stats["staleness/0/logp_abs_diff_max"],
+                kl,
+                int(tokens),
+                limit,
             )
 
     def _check_updates(self, stats: dict[str, float]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from areal_jax import __version__
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import ConfigError, to_dict, to_yaml
+from areal_jax.system.reporting import OUTPUTS as REPORT_OUTPUTS
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,11 @@ RUN_ENTRIES = (
     "checkpoints",
     "rollout_log",
     "rollout_log_unused",
-    "metrics.jsonl",
     "trained_groups.jsonl",
     "eval",
     "hf_final",
     "profile",
+    *REPORT_OUTPUTS,
     CONFIG_FILE,
     MARKER,
 )
@@ -55,6 +56,7 @@ RESUME_MAY_CHANGE = (
     "train_steps",
     "train_checkpoint.*",
     "profile.*",
+    "report.*",
     "eval.*",
     "compilation_cache_dir",
     "generation.*",  # `demo` only

@@ -29,6 +29,7 @@ from areal_jax.data.packing import PackingConfig, PackPlan, pack_sequences
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.objectives.advantages import sequence_advantages
 from areal_jax.objectives.config import AdvantageConfig
+from areal_jax.objectives.stats import count_loss_tokens
 from areal_jax.trainer.config import TrainerConfig
 
 Planner = Callable[[np.ndarray], PackPlan]
@@ -172,7 +173,7 @@ def build_batch(
         **adv_stats,
         "batch/sequences": float(len(trajectories)),
         "batch/tokens": float(num_tokens),
-        "batch/loss_tokens": float(sum(int(mb.loss_mask.sum()) for mb in minibatches)),
+        "batch/loss_tokens": float(sum(count_loss_tokens(mb.loss_mask) for mb in minibatches)),
         "batch/capacity": float(capacity),
         "batch/pack_efficiency": num_tokens / capacity,
         "batch/microbatches": float(len(minibatches) * m),

@@ -20,14 +20,18 @@ from areal_jax.objectives.config import AdvantageConfig, PPOConfig
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(Config):
-    """AdamW with global-norm gradient clipping and a warm-up + constant/cosine learning-rate schedule."""
+    """AdamW with global-norm gradient clipping and a warm-up + constant/cosine learning-rate schedule; an
+    update whose gradient is not finite is skipped."""
 
     lr: float = option(1e-6, gt=0.0, doc="peak learning rate")
     beta1: float = option(0.9, ge=0.0, lt=1.0, doc="Adam first-moment decay")
     beta2: float = option(0.999, ge=0.0, lt=1.0, doc="Adam second-moment decay")
     eps: float = option(1e-8, gt=0.0, doc="Adam epsilon (added to the root of the second moment)")
     weight_decay: float = option(
-        0.01, ge=0.0, doc="decoupled weight decay (times lr); biases and norm weights are not decayed"
+        0.01,
+        ge=0.0,
+        doc="decoupled weight decay (times lr) of matmul kernels and embeddings (the parameters with the "
+        "model-width axis 'embed'); biases and norm scales are not decayed",
     )
     grad_clip: float | None = option(1.0, gt=0.0, doc="clip gradients to this global L2 norm; null = no clipping")
     warmup_steps: int = option(
@@ -56,7 +60,9 @@ class OptimizerConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig(Config):
-    """The trainer: one step = proximal log-prob pass, advantages, `ppo_minibatches` optimizer updates."""
+    """The trainer: one step = advantages, the proximal (and, with a KL coefficient > 0, the reference)
+    log-prob pass, `ppo_minibatches` optimizer updates. A KL coefficient > 0 needs the `Trainer` to be given
+    the reference policy's params."""
 
     optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="AdamW, clipping and lr schedule")
     ppo_minibatches: int = option(
@@ -64,6 +70,12 @@ class TrainerConfig(Config):
         ge=1,
         doc="optimizer updates per step: the step's sequences are split into this many mini-batches of "
         "balanced token counts, each one update whose loss is normalised by its own loss-token count",
+    )
+    logprob_mismatch_warning: float = option(
+        0.02,
+        gt=0,
+        doc="warn when tokens sampled by the trainer's current version score a mean |log p| difference "
+        "above this between the sampler and the trainer (the same weights: a numerics mismatch)",
     )
     max_skipped_steps: int = option(
         20, ge=1, doc="stop the run after this many steps in a row whose every update was skipped (non-finite)"
@@ -75,15 +87,3 @@ class TrainerConfig(Config):
     ppo: PPOConfig = option(default_factory=PPOConfig, doc="the policy loss")
     advantage: AdvantageConfig = option(default_factory=AdvantageConfig, doc="outcome-reward advantages")
     packing: PackingConfig = option(default_factory=PackingConfig, doc="token-budget micro-batches")
-
-    def validate(self) -> None:
-        if self.ppo.kl_coef > 0:
-            raise ConfigError(
-                "ppo.kl_coef",
-                f"is {self.ppo.kl_coef} but the trainer has no reference model yet; set it to 0",
-            )
-        if self.advantage.kl_reward_coef > 0:
-            raise ConfigError(
-                "advantage.kl_reward_coef",
-                f"is {self.advantage.kl_reward_coef} but the trainer has no reference model yet; set it to 0",
-            )

@@ -1,12 +1,14 @@
-"""The jitted, sharded train step: the proximal log-prob pass and one PPO optimizer update per mini-batch.
+"""The jitted, sharded train step: the log-prob passes (proximal, reference) and one PPO update per mini-batch.
 
-Parameters and the AdamW state live on the trainer mesh, sharded by the logical rules (FSDP on `fsdp`,
+Parameters and the optimizer state live on the trainer mesh, sharded by the logical rules (FSDP on `fsdp`,
 tensor parallel on `tensor`; every Adam moment exactly like its parameter); batches `[M, B, L]` are split
 on B over `data` + `fsdp`. An update is one `jax.jit` per batch shape: a `lax.scan` over the M micro-batches
 accumulates the gradient of the decoupled PPO loss (normalised by the mini-batch's loss-token count, so the
-sum over micro-batches is the mini-batch loss), then AdamW with global-norm clipping and the lr schedule is
-applied; params and optimizer state are donated. A non-finite loss or gradient norm keeps the old params and
-optimizer state (the schedule does not advance) and reports `train/skipped = 1`.
+sum over micro-batches is the mini-batch loss; with the KL-to-reference loss term and the KL reward shaping
+when their coefficients are > 0), then the optimizer of `make_optimizer` is applied; params and optimizer
+state are donated. An update whose gradient is not finite (a non-finite loss gives one) is skipped by
+`optax.apply_if_finite`: params and AdamW state stay as they were (the schedule does not advance), the
+optimizer state counts the skip, and the update reports `train/skipped_updates = 1`.
 
 The traced functions are module-level and take everything static as one hashable `_Program`, so two
 `TrainStep`s of the same model, config and mesh share their compiled programs.
@@ -28,51 +30,81 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.decoder import Decoder
-from areal_jax.objectives.config import PPOConfig
+from areal_jax.objectives.config import KLEstimator, PPOConfig
+from areal_jax.objectives.kl import kl_shaped_advantages
 from areal_jax.objectives.ppo import ppo_loss
-from areal_jax.objectives.stats import merge_stats
+from areal_jax.objectives.stats import count_loss_tokens, merge_stats
 from areal_jax.sharding import logical_to_spec, state_shardings
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
 
-_NO_DECAY = ("bias", "norm")
+# apply_if_finite gives up and applies a non-finite update after this many in a row; the trainer never does
+# (a run whose every update is skipped stops itself after trainer.max_skipped_steps steps)
+_NEVER = int(jnp.iinfo(jnp.int32).max)
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
-    """lr of update `count` (0-based, applied updates only): linear warm-up, then constant or cosine."""
+    """lr of update `count` (0-based, applied updates only): lr * (count + 1) / warmup_steps while count <
+    warmup_steps, then constant lr or a cosine from lr down to min_lr_ratio * lr at total_steps."""
+    lr, warmup = config.lr, config.warmup_steps
+    if config.schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, decay_steps=config.total_steps - warmup, alpha=config.min_lr_ratio)
+    else:
+        after = optax.constant_schedule(lr)
+    if warmup == 0:
+        return after
+    # from lr / warmup at update 0 to lr at update warmup - 1 (optax's warm-up schedules reach lr one update
+    # later); a ramp of warmup - 1 = 0 steps holds lr / 1
+    ramp = optax.linear_schedule(lr / warmup, lr, transition_steps=warmup - 1)
+    return optax.join_schedules([ramp, after], boundaries=[warmup])
 
-    def schedule(count: jax.Array) -> jax.Array:
-        step = jnp.asarray(count, jnp.float32)
-        factor = jnp.float32(1.0)
-        if config.warmup_steps:
-            factor = jnp.minimum((step + 1.0) / config.warmup_steps, 1.0)
-        if config.schedule == "cosine":
-            span = config.total_steps - config.warmup_steps
-            progress = jnp.clip((step - config.warmup_steps) / span, 0.0, 1.0)
-            cosine = 0.5 * (1.0 + jnp.cos(math.pi * progress))
-            factor = factor * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
-        return config.lr * factor
 
-    return schedule
+def decay_mask(params: nnx.State) -> nnx.State:
+    """True for the parameters weight decay applies to: matmul kernels and embeddings, told by their logical
+    axes (the variables' sharding metadata). Each of them has the model-width axis `embed`; no bias
+    ([heads, head_dim]) or norm scale ([norm] or [head_dim]) has it."""
+
+    def decays(path: tuple[Any, ...], variable: Any) -> Any:
+        names = variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
+        if names is None:
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} has no logical axis names (out_sharding metadata); "
+                "the weight-decay mask is read from them"
+            )
+        return variable.replace("embed" in names)
+
+    return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(config: OptimizerConfig, params: nnx.State) -> optax.GradientTransformation:
-    """AdamW (decay on every weight except biases and norm scales) after global-norm clipping."""
-    decay_mask = jax.tree_util.tree_map_with_path(
-        lambda path, _: not any(word in jax.tree_util.keystr(path) for word in _NO_DECAY), params
+    """Global-norm clipping, then AdamW with the lr schedule injected (the named value `learning_rate` of
+    its state is the lr of the newest update) and weight decay on `decay_mask(params)`; an update whose
+    gradient is not finite is skipped (`optax.apply_if_finite`, which here never gives up)."""
+    adamw = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=learning_rate_schedule(config),
+        b1=config.beta1,
+        b2=config.beta2,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        mask=decay_mask(params),
     )
-    parts = [] if config.grad_clip is None else [optax.clip_by_global_norm(config.grad_clip)]
-    parts += [
-        optax.scale_by_adam(b1=config.beta1, b2=config.beta2, eps=config.eps),
-        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
-        optax.scale_by_learning_rate(learning_rate_schedule(config)),
-    ]
-    return optax.chain(*parts)
+    clip = [] if config.grad_clip is None else [optax.clip_by_global_norm(config.grad_clip)]
+    return optax.apply_if_finite(optax.chain(*clip, adamw), max_consecutive_errors=_NEVER)
+
+
+def learning_rate(opt_state: optax.OptState) -> jax.Array:
+    """The lr of the newest applied update held in a `make_optimizer` state (before any update: the first's)."""
+    return optax.tree_utils.tree_get(opt_state, "hyperparams")["learning_rate"]
+
+
+def applied_updates(opt_state: optax.OptState) -> jax.Array:
+    """The number of updates a `make_optimizer` state has applied (skipped ones not counted): the schedule's count."""
+    return optax.tree_utils.tree_get(opt_state, optax.InjectStatefulHyperparamsState.__name__).count
 
 
 def _opt_state_shardings(abstract_opt_state: Any, params_shardings: Any, abstract_params: Any, mesh: Mesh) -> Any:
     """Shardings of an optax state: every subtree shaped like the params gets the params' shardings, every
-    other leaf (step counts) is replicated."""
+    other leaf (step counts, hyperparameters) is replicated."""
     params_def = jax.tree.structure(abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -104,6 +136,8 @@ class _Program:
     scorer: _Scorer
     optimizer_config: OptimizerConfig
     ppo: PPOConfig
+    kl_reward_coef: float
+    kl_reward_estimator: KLEstimator
     params_def: Any  # the PyTreeDef of the parameter state
     param_sharding_leaves: tuple[NamedSharding, ...]
 
@@ -111,12 +145,17 @@ class _Program:
     def param_shardings(self) -> Any:
         return jax.tree.unflatten(self.params_def, self.param_sharding_leaves)
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the update reads the reference policy's log-probs (a KL coefficient is > 0)."""
+        return self.ppo.kl_coef > 0 or self.kl_reward_coef > 0
+
     def optimizer(self) -> optax.GradientTransformation:
         placeholders = jax.tree.unflatten(self.params_def, [0] * len(self.param_sharding_leaves))
         return make_optimizer(self.optimizer_config, placeholders)
 
 
-def _prox_fn(scorer: _Scorer, params: nnx.State, batch: PackedBatch) -> jax.Array:
+def _logprobs_fn(scorer: _Scorer, params: nnx.State, batch: PackedBatch) -> jax.Array:
     logp_MxBxL = jax.lax.map(lambda mb: scorer.token_logprobs(params, mb)[0], batch)
     return jax.lax.stop_gradient(logp_MxBxL)
 
@@ -126,41 +165,62 @@ def _microbatch_loss(
     params: nnx.State,
     mb: PackedBatch,
     logp_prox_BxL: jax.Array | None,
+    logp_ref_BxL: jax.Array | None,
     num_loss_tokens: jax.Array,
     version: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, mb)
-    return ppo_loss(
+    adv_BxL, kl_reward_stats = mb.advantages, {}
+    if program.kl_reward_coef > 0:
+        # the penalised policy is the one the update starts from: the proximal (decoupled) or the behaviour one
+        logp_old_BxL = logp_prox_BxL if program.ppo.decoupled else mb.logp_behav
+        adv_BxL, kl_reward_stats = kl_shaped_advantages(
+            adv_BxL,
+            logp_old_BxL,
+            logp_ref_BxL,
+            mb.segment_ids,
+            mb.loss_mask,
+            program.kl_reward_coef,
+            program.kl_reward_estimator,
+        )
+    loss, stats = ppo_loss(
         logp_BxL,
         mb.logp_behav,
-        mb.advantages,
+        adv_BxL,
         mb.loss_mask,
         num_loss_tokens,
         program.ppo,
         logp_prox_BxL=logp_prox_BxL,
+        logp_ref_BxL=logp_ref_BxL,
         entropy_BxL=entropy_BxL,
         token_version_BxL=mb.versions,
         trainer_version=version,
     )
+    return loss, stats | kl_reward_stats
 
 
 def _gradients_fn(
-    program: _Program, params: nnx.State, batch: PackedBatch, logp_prox_MxBxL: jax.Array | None, version: jax.Array
+    program: _Program,
+    params: nnx.State,
+    batch: PackedBatch,
+    logp_prox_MxBxL: jax.Array | None,
+    logp_ref_MxBxL: jax.Array | None,
+    version: jax.Array,
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
     """Sum over micro-batches of loss and gradient (each normalised by the whole mini-batch's loss tokens)."""
-    num_loss_tokens = jnp.sum(batch.loss_mask)
+    num_loss_tokens = count_loss_tokens(batch.loss_mask)
     grad_fn = jax.value_and_grad(partial(_microbatch_loss, program), has_aux=True)
 
     def body(
-        grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None]
+        grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None, jax.Array | None]
     ) -> tuple[nnx.State, tuple[jax.Array, dict[str, jax.Array]]]:
-        mb, logp_prox_BxL = xs
-        (loss, stats), mb_grads = grad_fn(params, mb, logp_prox_BxL, num_loss_tokens, version)
+        mb, logp_prox_BxL, logp_ref_BxL = xs
+        (loss, stats), mb_grads = grad_fn(params, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, version)
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, mb_grads), program.param_shardings)
         return grads, (loss, stats)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (loss_M, stats_M) = jax.lax.scan(body, zeros, (batch, logp_prox_MxBxL))
+    grads, (loss_M, stats_M) = jax.lax.scan(body, zeros, (batch, logp_prox_MxBxL, logp_ref_MxBxL))
     return jnp.sum(loss_M), grads, merge_stats(stats_M)
 
 
@@ -170,32 +230,20 @@ def _update_fn(
     opt_state: optax.OptState,
     batch: PackedBatch,
     logp_prox_MxBxL: jax.Array | None,
+    logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
 ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
-    loss, grads, stats = _gradients_fn(program, params, batch, logp_prox_MxBxL, version)
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    lr = learning_rate_schedule(program.optimizer_config)(opt_state[-1].count)
-    updates, new_opt_state = program.optimizer().update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-
-    def keep_if_finite(new: jax.Array, old: jax.Array) -> jax.Array:
-        return jnp.where(finite, new, old)
-
-    stats.update(
-        {
-            "train/loss": loss,
-            "train/grad_norm": grad_norm,
-            "train/lr": lr,
-            "train/skipped": jnp.logical_not(finite).astype(jnp.float32),
-            "train/loss_tokens": jnp.sum(batch.loss_mask).astype(jnp.float32),
-        }
-    )
-    return (
-        jax.tree.map(keep_if_finite, new_params, params),
-        jax.tree.map(keep_if_finite, new_opt_state, opt_state),
-        stats,
-    )
+    loss, grads, stats = _gradients_fn(program, params, batch, logp_prox_MxBxL, logp_ref_MxBxL, version)
+    updates, opt_state = program.optimizer().update(grads, opt_state, params)
+    skipped = jnp.logical_not(optax.tree_utils.tree_get(opt_state, "last_finite"))
+    stats |= {
+        "train/loss": loss,
+        "train/grad_norm": optax.tree.norm(grads),
+        "train/lr": learning_rate(opt_state),  # this update's, or on a skip the last applied one's
+        "train/skipped_updates": skipped.astype(jnp.float32),
+        "train/loss_tokens": count_loss_tokens(batch.loss_mask).astype(jnp.float32),
+    }
+    return optax.apply_updates(params, updates), opt_state, stats
 
 
 def _init_fn(program: _Program, params: nnx.State) -> optax.OptState:
@@ -207,13 +255,14 @@ def _copy_fn(params: nnx.State) -> nnx.State:
 
 
 class TrainStep:
-    """Sharded, jitted proximal pass and PPO update of one decoder on one mesh.
+    """Sharded, jitted log-prob passes and PPO update of one decoder on one mesh.
 
     Log-probs are taken at `temperature`, which must be the sampler's (the run passes
     rollout.workflow.sampling.temperature, the one setting of it). Built from the decoder's graphdef and
-    (abstract or concrete) parameter state; `init` places a copy of
-    the parameters on the mesh and creates the optimizer state there. Each jitted function compiles once
-    per batch shape (shared with every other `TrainStep` of the same model, settings and mesh).
+    (abstract or concrete) parameter state; `init` places a copy of the parameters on the mesh and creates
+    the optimizer state there, `place` places a copy of other params of the same model (the reference
+    policy's). Each jitted function compiles once per batch shape (shared with every other `TrainStep` of
+    the same model, settings and mesh).
     """
 
     def __init__(
@@ -239,6 +288,8 @@ class TrainStep:
             _Scorer(graphdef, temperature),
             config.optimizer,
             config.ppo,
+            config.advantage.kl_reward_coef,
+            config.advantage.kl_estimator,
             jax.tree.structure(abstract),
             tuple(jax.tree.leaves(self.param_shardings)),
         )
@@ -252,27 +303,38 @@ class TrainStep:
         replicated = NamedSharding(mesh, PartitionSpec())
         self._copy = jax.jit(_copy_fn, in_shardings=(params_sh,), out_shardings=params_sh)
         self._init = jax.jit(_init_fn, static_argnums=0, in_shardings=(params_sh,), out_shardings=opt_sh)
-        self._prox = jax.jit(_prox_fn, static_argnums=0, in_shardings=(params_sh, batch_sh), out_shardings=batch_sh)
+        self._logprobs = jax.jit(
+            _logprobs_fn, static_argnums=0, in_shardings=(params_sh, batch_sh), out_shardings=batch_sh
+        )
         self._gradients = jax.jit(
             _gradients_fn,
             static_argnums=0,
-            in_shardings=(params_sh, batch_sh, batch_sh, replicated),
+            in_shardings=(params_sh, batch_sh, batch_sh, batch_sh, replicated),
             out_shardings=(replicated, params_sh, replicated),
         )
         self._update = jax.jit(
             _update_fn,
             static_argnums=0,
-            in_shardings=(params_sh, opt_sh, batch_sh, batch_sh, replicated),
+            in_shardings=(params_sh, opt_sh, batch_sh, batch_sh, batch_sh, replicated),
             out_shardings=(params_sh, opt_sh, replicated),
             donate_argnums=(1, 2),
         )
 
-    def init(self, params: nnx.State) -> tuple[nnx.State, optax.OptState]:
-        """A copy of `params` on the trainer shardings (the caller's arrays stay valid) and a fresh
-        optimizer state sharded like it."""
+    @property
+    def uses_reference(self) -> bool:
+        """Whether updates need the reference policy's log-probs (`ppo.kl_coef` or
+        `advantage.kl_reward_coef` > 0)."""
+        return self.program.uses_reference
+
+    def place(self, params: nnx.State) -> nnx.State:
+        """A copy of `params` (of this step's model) on the trainer shardings; the caller's arrays stay valid."""
         # device_put alone may alias a replicated result's first shard to the source buffer (even with
         # may_alias=False), and donation would then delete the caller's array; the jitted copy cannot alias
-        params = self._copy(jax.device_put(params, self.param_shardings))
+        return self._copy(jax.device_put(params, self.param_shardings))
+
+    def init(self, params: nnx.State) -> tuple[nnx.State, optax.OptState]:
+        """A copy of `params` on the trainer shardings (`place`) and a fresh optimizer state sharded like it."""
+        params = self.place(params)
         return params, self._init(self.program, params)
 
     def put_batch(self, batch: PackedBatch) -> PackedBatch:
@@ -285,15 +347,22 @@ class TrainStep:
             )
         return jax.device_put(batch, self.batch_sharding)
 
-    def proximal_logprobs(self, params: nnx.State, batch: PackedBatch) -> jax.Array:
-        """log pi_prox(target) [M, B, L] of every position under `params`, at the trainer's temperature."""
-        return self._prox(self.program.scorer, params, batch)
+    def logprobs(self, params: nnx.State, batch: PackedBatch) -> jax.Array:
+        """log pi(target) [M, B, L] of every position under `params`, at the trainer's temperature: the
+        proximal log-probs with the step's params, the reference log-probs with the reference params."""
+        return self._logprobs(self.program.scorer, params, batch)
 
     def gradients(
-        self, params: nnx.State, batch: PackedBatch, logp_prox: jax.Array | None, version: int
+        self,
+        params: nnx.State,
+        batch: PackedBatch,
+        logp_prox: jax.Array | None,
+        version: int,
+        logp_ref: jax.Array | None = None,
     ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
         """(loss, gradient, statistics) of one mini-batch without updating: the update's own accumulation."""
-        return self._gradients(self.program, params, batch, self._prox_arg(logp_prox), jnp.int32(version))
+        prox, ref = self._prox_arg(logp_prox), self._ref_arg(logp_ref)
+        return self._gradients(self.program, params, batch, prox, ref, jnp.int32(version))
 
     def update(
         self,
@@ -302,17 +371,30 @@ class TrainStep:
         batch: PackedBatch,
         logp_prox: jax.Array | None,
         version: int,
+        logp_ref: jax.Array | None = None,
     ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
         """One optimizer update on one mini-batch; `params` and `opt_state` are donated (invalid afterwards).
 
-        `logp_prox` is required for decoupled PPO and ignored (pass None) otherwise; `version` is the
-        trainer's policy version, against which token staleness is measured.
+        `logp_prox` is required for decoupled PPO and ignored (pass None) otherwise; `logp_ref` (the
+        reference policy's `logprobs`) is required when `uses_reference` and ignored otherwise; `version` is
+        the trainer's policy version, against which token staleness is measured.
         """
-        return self._update(self.program, params, opt_state, batch, self._prox_arg(logp_prox), jnp.int32(version))
+        prox, ref = self._prox_arg(logp_prox), self._ref_arg(logp_ref)
+        return self._update(self.program, params, opt_state, batch, prox, ref, jnp.int32(version))
 
     def _prox_arg(self, logp_prox: jax.Array | None) -> jax.Array | None:
         if not self.config.ppo.decoupled:
             return None
         if logp_prox is None:
-            raise ValueError("logp_prox is None but ppo.decoupled is true; run proximal_logprobs first")
+            raise ValueError("logp_prox is None but ppo.decoupled is true; pass logprobs(params, batch)")
         return logp_prox
+
+    def _ref_arg(self, logp_ref: jax.Array | None) -> jax.Array | None:
+        if not self.uses_reference:
+            return None
+        if logp_ref is None:
+            raise ValueError(
+                "logp_ref is None but a KL coefficient (ppo.kl_coef or advantage.kl_reward_coef) is > 0; "
+                "pass logprobs(reference_params, batch)"
+            )
+        return logp_ref

@@ -1,8 +1,9 @@
 """The training loop: batches of trajectories in, PPO updates, versioned weights out to a publisher.
 
 One step: pack the trajectories (shift, group advantages, `ppo_minibatches` mini-batches), run the
-proximal log-prob pass on every mini-batch with the weights at the start of the step, then one optimizer
-update per mini-batch, then bump the policy version and hand the new params to `publish(params, version)`.
+proximal log-prob pass on every mini-batch with the weights at the start of the step (and the reference
+pass with the frozen reference params when a KL coefficient is > 0), then one optimizer update per
+mini-batch, then bump the policy version and hand the new params to `publish(params, version)`.
 The version counts published steps; a step whose updates were all skipped (non-finite loss or gradient)
 still publishes its unchanged weights under a new version, so admission control on the rollout side
 moves on.
@@ -19,12 +20,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax.configuration import ConfigError
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models.decoder import Decoder
 from areal_jax.objectives.stats import merge_stats
 from areal_jax.trainer.batching import Planner, build_batch
 from areal_jax.trainer.config import TrainerConfig
-from areal_jax.trainer.train_step import TrainStep
+from areal_jax.trainer.train_step import TrainStep, applied_updates
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +34,27 @@ Publisher = Callable[[nnx.State, int], None]
 
 
 def merge_minibatch_stats(stats_P: Sequence[dict[str, np.ndarray]]) -> dict[str, float]:
-    """Statistics of a step's P updates: token statistics merged as over one batch (`merge_stats`), losses,
-    gradient norms and loss parts averaged over the updates, the lr of the last update, skips summed."""
+    """Statistics of a step's P updates as host floats, merged by the key rule of `merge_stats`."""
     stacked = {key: np.stack([np.asarray(s[key]) for s in stats_P]) for key in stats_P[0]}
-    token_keys = {key: value for key, value in stacked.items() if not key.startswith("train/")}
-    if len(stats_P) == 1:
-        merged = {key: float(value[0]) for key, value in token_keys.items()}
-    else:
-        merged = {key: float(value) for key, value in merge_stats(token_keys).items()}
-    for key in merged:
-        if key.endswith("_loss"):
-            merged[key] /= len(stats_P)
-    merged["train/loss"] = float(np.mean(stacked["train/loss"]))
-    merged["train/grad_norm"] = float(np.mean(stacked["train/grad_norm"]))
-    merged["train/lr"] = float(stacked["train/lr"][-1])
-    merged["train/skipped_updates"] = float(np.sum(stacked["train/skipped"]))
-    merged["train/loss_tokens"] = float(np.sum(stacked["train/loss_tokens"]))
-    return merged
+    return {key: float(value) for key, value in merge_stats(stacked, over="updates").items()}
+
+
+def _check_reference(reference_params: nnx.State, params: nnx.State) -> None:
+    """Refuse reference params that are not params of the same model (structure, shapes, dtypes)."""
+    expected = jax.tree_util.tree_flatten_with_path(params)[0]
+    got = jax.tree_util.tree_flatten_with_path(reference_params)[0]
+    if jax.tree.structure(reference_params) != jax.tree.structure(params):
+        paths = sorted({jax.tree_util.keystr(p) for p, _ in expected} ^ {jax.tree_util.keystr(p) for p, _ in got})
+        raise ValueError(
+            "reference_params do not have the structure of the model's params"
+            + (f"; differing entries: {paths[:5]}" if paths else " (same entries, other metadata)")
+        )
+    for (path, want), (_, have) in zip(expected, got, strict=True):
+        if (have.shape, have.dtype) != (want.shape, want.dtype):
+            raise ValueError(
+                f"reference_params{jax.tree_util.keystr(path)} has shape {have.shape} {have.dtype}; "
+                f"expected {want.shape} {want.dtype} like the model's"
+            )
 
 
 class Trainer:
@@ -58,6 +64,11 @@ class Trainer:
     trainer mesh). Those arrays are donated to the next update, so a publisher that keeps them beyond
     its call must copy them (e.g. `jax.device_put` onto its own shardings) before returning. `planner`
     replaces token-budget packing (e.g. the fixed-count baseline in the benchmark).
+
+    `reference_params` (an `nnx.State` of the same model, e.g. a copy of the initial params) is the frozen
+    reference policy of the KL terms; it is required when `ppo.kl_coef` or `advantage.kl_reward_coef` is
+    > 0, and otherwise not kept. A copy is placed on the trainer mesh with the params' shardings
+    (`reference_params` attribute); it is never updated and is not in the optimizer.
     """
 
     def __init__(
@@ -70,7 +81,19 @@ class Trainer:
         version: int = 0,
         planner: Planner | None = None,
         temperature: float,
+        reference_params: nnx.State | None = None,
     ):
+        if reference_params is None:
+            for key, coef in (
+                ("ppo.kl_coef", config.ppo.kl_coef),
+                ("advantage.kl_reward_coef", config.advantage.kl_reward_coef),
+            ):
+                if coef > 0:
+                    raise ConfigError(
+                        key,
+                        f"is {coef} but the Trainer was built without reference_params; the run must pass the "
+                        "reference policy's params (e.g. a copy of the initial checkpoint's) or set it to 0",
+                    )
         graphdef, state = nnx.split(model)
         self.config = config
         self.train_step = TrainStep(graphdef, state, config, mesh, temperature=temperature)
@@ -79,6 +102,13 @@ class Trainer:
                 f"packing.rows is {config.packing.rows}, not a multiple of the data*fsdp shards "
                 f"({self.train_step.batch_shards}) of mesh {dict(mesh.shape)}"
             )
+        self.reference_params: nnx.State | None = None
+        if reference_params is not None:
+            _check_reference(reference_params, state)
+            if self.train_step.uses_reference:
+                self.reference_params = self.train_step.place(reference_params)
+            else:
+                logger.info("reference_params not kept: ppo.kl_coef and advantage.kl_reward_coef are 0")
         self.params, self.opt_state = self.train_step.init(state)
         self.publish = publish
         self.planner = planner
@@ -94,14 +124,18 @@ class Trainer:
         started = time.perf_counter()
         batch = build_batch(trajectories, self.config, self.planner)
         minibatches = [self.train_step.put_batch(mb) for mb in batch.minibatches]
-        if self.config.ppo.decoupled:
-            prox = [self.train_step.proximal_logprobs(self.params, mb) for mb in minibatches]
-        else:
-            prox = [None] * len(minibatches)
+
+        def logprobs(params: nnx.State | None) -> list[jax.Array | None]:
+            if params is None:
+                return [None] * len(minibatches)
+            return [self.train_step.logprobs(params, mb) for mb in minibatches]
+
+        prox = logprobs(self.params if self.config.ppo.decoupled else None)
+        ref = logprobs(self.reference_params)
         stats_P = []
-        for mb, logp_prox in zip(minibatches, prox, strict=True):
+        for mb, logp_prox, logp_ref in zip(minibatches, prox, ref, strict=True):
             self.params, self.opt_state, stats = self.train_step.update(
-                self.params, self.opt_state, mb, logp_prox, self.version
+                self.params, self.opt_state, mb, logp_prox, self.version, logp_ref
             )
             stats_P.append(stats)
         stats = merge_minibatch_stats(jax.device_get(stats_P))
@@ -140,4 +174,4 @@ class Trainer:
 
     def learning_rate(self) -> float:
         """The lr the next applied update will use."""
-        return float(self.train_step.schedule(self.opt_state[-1].count))
+        return float(self.train_step.schedule(applied_updates(self.opt_state)))

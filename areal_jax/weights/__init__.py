@@ -1,7 +1,7 @@
 """The trainer → rollout weight channel: versioned params, published once, loaded onto each reader's mesh.
 
 `OrbaxWeightPublisher` / `OrbaxWeightSubscriber` share a directory (local or gs://) across processes;
-`InProcessWeights` reshards between two meshes of one JAX program with `jax.device_put`.
+`InProcessPublisher` copies the trainer's params onto the generator's shardings within one JAX program.
 """
 
 from areal_jax.weights.base import (
@@ -12,11 +12,11 @@ from areal_jax.weights.base import (
     target_shardings,
     tree_nbytes,
 )
-from areal_jax.weights.in_process import InProcessWeights
+from areal_jax.weights.in_process import InProcessPublisher
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
 
 __all__ = [
-    "InProcessWeights",
+    "InProcessPublisher",
     "LoadedWeights",
     "OrbaxWeightPublisher",
     "OrbaxWeightSubscriber",

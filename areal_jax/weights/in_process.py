@@ -1,78 +1,42 @@
-"""The in-process weight channel: one JAX program, trainer and inference meshes, reshard by `device_put`.
+"""The in-process weight channel: trainer and generator in one JAX program, each on its own mesh.
 
-The published params are copied device-to-device (`sharding.copy_to`: never aliasing the source, no host
-round trip) at publish time, onto the inference shardings if they were given, so the trainer may donate its
-buffers to the next step as soon as `publish` returns. Only the newest version is kept.
+`InProcessPublisher` is the trainer's `publish(params, version)`: it copies the params device to device
+onto the generator's inference shardings (`sharding.copy_to`: no host round trip, never aliasing the
+trainer's buffers, so the trainer may donate them to its next step as soon as `publish` returns), waits
+until the generator decodes with them, then tells the staleness manager the new version.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Any
 
-import jax
+from flax import nnx
 
+from areal_jax.inference.generator import Generator
+from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.sharding import copy_to
-from areal_jax.weights.base import LoadedWeights, target_shardings, tree_nbytes
+from areal_jax.weights.base import tree_nbytes
 
 logger = logging.getLogger(__name__)
 
 
-class InProcessWeights:
-    """Publisher and subscriber in one object; thread-safe (the trainer and the generator may be threads)."""
+class InProcessPublisher:
+    """Trainer -> generator weights within one program; see the module docstring."""
 
-    def __init__(self, target: Any | None = None):
-        """`target`: the inference side's shardings (leaves `Sharding` or `ShapeDtypeStruct`); None keeps
-        published copies on the trainer's shardings and reshards on `load`."""
-        self._shardings = None if target is None else target_shardings(target)
-        self._cond = threading.Condition()
-        self._params: Any = None
-        self._version: int | None = None
+    def __init__(self, generator: Generator, staleness: StalenessManager, interrupt: bool):
+        """`interrupt`: in-flight samples re-prefill under the new weights (True) or finish on the old ones
+        before the swap (False); see `Generator.update_params`."""
+        self.generator = generator
+        self.staleness = staleness
+        self.interrupt = interrupt
 
-    def publish(self, params: Any, version: int) -> None:
-        with self._cond:
-            latest = self._version
-        if latest is not None and version <= latest:
-            raise ValueError(f"version {version} is not newer than the latest published version {latest}")
+    def __call__(self, params: nnx.State, version: int) -> None:
+        """Publish `params` as `version`; returns once the generator uses them and admission follows."""
         started = time.perf_counter()
-        destination = self._shardings if self._shardings is not None else jax.tree.map(lambda a: a.sharding, params)
-        copy = jax.block_until_ready(copy_to(params, destination))
-        seconds = time.perf_counter() - started
-        nbytes = tree_nbytes(copy)
-        with self._cond:
-            self._params, self._version = copy, version
-            self._cond.notify_all()
-        logger.info("published weights version %d in process: %d bytes in %.3f s", version, nbytes, seconds)
-
-    def latest_version(self) -> int | None:
-        with self._cond:
-            return self._version
-
-    def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
-        with self._cond:
-            ready = self._cond.wait_for(
-                lambda: self._version is not None and self._version >= min_version, timeout=timeout_s
-            )
-            return self._version if ready else None
-
-    def load(self, version: int, target: Any) -> LoadedWeights:
-        with self._cond:
-            params, latest = self._params, self._version
-        if latest is None:
-            raise LookupError("no weights were published yet")
-        if version > latest:
-            raise ValueError(f"version {version} was not published; the latest is {latest}")
-        if version < latest:
-            logger.debug("weights version %d was replaced; loading %d", version, latest)
-        started = time.perf_counter()
-        loaded = jax.block_until_ready(jax.device_put(params, target_shardings(target)))
-        seconds = time.perf_counter() - started
-        nbytes = tree_nbytes(loaded)
-        logger.info("loaded weights version %d in process: %d bytes in %.3f s", latest, nbytes, seconds)
-        return LoadedWeights(loaded, latest, nbytes, seconds)
-
-    def close(self) -> None:
-        with self._cond:
-            self._params = None
+        copied = copy_to(params, self.generator.engine.param_shardings)
+        self.generator.update_params(copied, version, interrupt=self.interrupt).result()
+        self.staleness.set_version(version)
+        logger.debug(
+            "published v%d in process: %d bytes in %.3f s", version, tree_nbytes(copied), time.perf_counter() - started
+        )

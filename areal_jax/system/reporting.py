@@ -1,0 +1,477 @@
+"""What a training run shows and writes: `RunReporter` takes each step's flat stats and the end of the run.
+
+The trainer loop calls `reporter.log(step, stats)` once per step (`stats`: a flat `dict[str, float]` such as
+`rollout/reward_mean`, `train/loss`, `generator/emitted_tokens`, `time/wall`, `eval/pass@1`) and
+`reporter.close(summary_lines)` at the end. The reporter writes, into the run directory:
+
+    <run_dir>/
+      metrics.jsonl    one JSON line per step: the step's stats as given (`train/version` is the step);
+                       a resumed run keeps the lines up to its checkpoint and appends the rest
+      tensorboard/     TensorBoard event files, every scalar of a step at that step, flushed every step
+                       (`tensorboard --logdir <run_dir>/tensorboard`); a tag is its key with characters that
+                       TensorBoard refuses made `_` (`eval/pass@1` -> `eval/pass_1`); a resumed run writes a
+                       new file that hides the steps after its checkpoint
+      train.log        every log record of the run (live display or not), appended across resumes
+      plots/           PNGs written at the end (`report.plots`): reward.png (reward, correct rate and
+                       held-out pass@1 against step and wall time), staleness.png (samples trained per
+                       staleness, from `pipeline/kept_by_staleness/<k>`, else the per-step mean staleness),
+                       throughput.png (generation and training tokens/s against wall time)
+      wandb/           Weights & Biases files, only with `report.wandb_project` (the run id is kept in
+                       wandb/run-id so a resumed run continues the same W&B run)
+
+While the run goes on, a live display on stderr (`report.live`; `auto`: when stderr is a terminal) shows
+the step and ETA, reward, correct rate, held-out pass@1, staleness, generation and training tokens/s, the
+generator queue and interruptions; log records then go to train.log only, except warnings and errors,
+which are printed above the display. At the end a summary on stdout names every file the run wrote.
+
+Wall time (`time/wall`) and the generator counters (`generator/emitted_tokens`, `generator/interruptions`)
+start again from zero in a resumed process; plots join the pieces into one time axis, and rates are taken
+within a piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.logging import RichHandler
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from areal_jax.configuration import Config, ConfigError, option
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+LOG_FILE = "train.log"
+PLOTS_DIR = "plots"
+WANDB_DIR = "wandb"
+OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, LOG_FILE, PLOTS_DIR, WANDB_DIR)  # everything a reporter creates
+
+STEP_KEY = "train/version"  # a metrics line's step
+REWARD = "rollout/reward_mean"
+CORRECT = "rollout/correct_mean"
+HELDOUT = "eval/pass@1"
+STALENESS_MEAN = "rollout/staleness_mean"
+STALENESS_MAX = "rollout/staleness_max"
+TRAIN_TOKENS_PER_S = "train/throughput"
+EMITTED = "generator/emitted_tokens"
+INTERRUPTIONS = "generator/interruptions"
+QUEUE = "generator/queue"
+WALL = "time/wall"
+KEPT_BY_STALENESS = "pipeline/kept_by_staleness/"
+
+_TAG_REFUSED = re.compile(r"[^-/\w.]")
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig(Config):
+    """What a run shows while it trains and writes besides metrics.jsonl, TensorBoard and train.log."""
+
+    wandb_project: str = option("", doc="Weights & Biases project to log every step to (needs wandb); empty = off")
+    live: Literal["auto", "on", "off"] = option(
+        "auto", doc="live progress display on stderr; auto = when stderr is a terminal"
+    )
+    plots: bool = option(True, doc="write PNG plots of reward, staleness and throughput into <run>/plots at the end")
+
+
+History = list[tuple[int, dict[str, float]]]
+
+
+class RunReporter:
+    """Everything a run shows and writes (see the module docstring). `start_step` is the step a resumed run
+    continues from (0: a new run); `hparams` go to W&B as the run's config. Use as a context manager or
+    call `close` in a `finally`."""
+
+    def __init__(
+        self,
+        config: ReportConfig,
+        run_dir: str | os.PathLike[str],
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        name: str | None = None,
+        hparams: Mapping[str, Any] | None = None,
+        console: Console | None = None,
+    ):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.tensorboard_dir = self.run_dir / TENSORBOARD_DIR
+        self.log_path = self.run_dir / LOG_FILE
+        self.plots_dir = self.run_dir / PLOTS_DIR
+        self.console = console or Console(stderr=True)
+        self.plots: list[Path] = []
+        self.plot_data: dict[str, np.ndarray] = {}
+        self.closed = False
+        wandb = _import_wandb(config.wandb_project) if config.wandb_project else None  # before writing anything
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.wandb_run = _start_wandb(wandb, config.wandb_project, self.run_dir, name, hparams) if wandb else None
+        self.log_handler = logging.FileHandler(self.log_path, mode="a", encoding="utf-8")
+        self.log_handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        logging.getLogger().addHandler(self.log_handler)
+
+        self.history: History = _keep_steps_upto(self.metrics_path, start_step)
+        self.metrics = self.metrics_path.open("a", encoding="utf-8")
+        from tensorboardX import SummaryWriter
+
+        self.tensorboard = SummaryWriter(
+            str(self.tensorboard_dir),
+            purge_step=start_step + 1,  # TensorBoard hides what an earlier process wrote after the checkpoint
+            flush_secs=3600,
+            filename_suffix=f".from-step-{start_step:09d}",  # one file per process, even within one second
+        )
+
+        self.session_started = time.monotonic()
+        self.session_steps: list[tuple[int, float]] = []  # (step, monotonic time) of this process's steps
+        self.heldout: float | None = _last_value(self.history, HELDOUT)
+        self.last_step = start_step
+        self.display_values: dict[str, str] = {}  # the display's text of the latest step, by label
+        self.live: Live | None = None
+        self.muted: list[logging.Handler] = []
+        self.warnings_handler: logging.Handler | None = None
+        if config.live == "on" or (config.live == "auto" and sys.stderr.isatty()):
+            self._start_live()
+
+    def __enter__(self) -> RunReporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log(self, step: int, stats: Mapping[str, float]) -> None:
+        """Record step `step` (1-based, after its update): metrics.jsonl, TensorBoard, W&B and the display."""
+        stats = dict(stats)
+        self.metrics.write(json.dumps(stats) + "\n")
+        self.metrics.flush()
+        for key, value in stats.items():
+            if isinstance(value, int | float):
+                self.tensorboard.add_scalar(tensorboard_tag(key), float(value), step)
+        self.tensorboard.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(stats, step=step)
+        previous = self.history[-1][1] if self.history else None
+        self.history.append((step, stats))
+        self.session_steps.append((step, time.monotonic()))
+        if HELDOUT in stats:
+            self.heldout = stats[HELDOUT]
+        self.last_step = step
+        self.display_values = self._display_values(step, stats, previous)
+        if self.live is not None:
+            self.live.refresh()
+        values = self.display_values
+        logger.info(
+            "step %s reward %s correct %s staleness %s loss %s, %s training tok/s, %s generation tok/s",
+            values["step"],
+            values["reward"],
+            values["correct"],
+            values["staleness mean/max"].replace(" ", ""),
+            _fmt(stats.get("train/loss"), ".4f"),
+            values["training tok/s"],
+            values["generation tok/s"],
+        )
+
+    def close(self, summary_lines: Sequence[str] = ()) -> None:
+        """End the run's reporting: stop the display, write the plots, close every file, and print a summary
+        naming each output (then `summary_lines`, e.g. the checkpoints and the exported policy)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_live()
+        self.metrics.close()
+        self.tensorboard.close()
+        if self.config.plots and self.history:
+            try:
+                self.plot_data = run_series(self.history)
+                self.plots = write_plots(self.plot_data, self.plots_dir)
+            except Exception:  # a failed plot must not hide how the run ended
+                logger.exception("could not write the plots into %s", self.plots_dir)
+        wandb_url = None
+        if self.wandb_run is not None:
+            wandb_url = getattr(self.wandb_run, "url", None)
+            self.wandb_run.finish()
+        logging.getLogger().removeHandler(self.log_handler)
+        self.log_handler.close()
+        steps = len(self.history)
+        lines = [
+            f"run directory: {self.run_dir}",
+            f"  metrics:     {self.metrics_path} ({steps} step{'s' * (steps != 1)})",
+            f"  tensorboard: {self.tensorboard_dir} (tensorboard --logdir {self.tensorboard_dir})",
+            f"  log:         {self.log_path}",
+        ]
+        if self.plots:
+            lines.append(f"  plots:       {', '.join(str(p) for p in self.plots)}")
+        if wandb_url:
+            lines.append(f"  wandb:       {wandb_url}")
+        lines.extend(f"  {line}" for line in summary_lines)
+        print("\n".join(lines), file=sys.stdout, flush=True)
+
+    def renderable(self) -> RenderableType:
+        """The live display of the latest step: progress and ETA, then the run's vital signs."""
+        values = self.display_values
+        if not values:
+            return Text(f"step {self.start_step}/{self.total_steps}: waiting for the first step")
+        head = Table.grid(padding=(0, 1))
+        head.add_row(
+            Text(f"step {values['step']}", style="bold"),
+            ProgressBar(total=max(self.total_steps, 1), completed=self.last_step, width=30),
+            Text(f"elapsed {_duration(time.monotonic() - self.session_started)}  ETA {values['ETA']}"),
+        )
+        body = Table.grid(padding=(0, 1))
+        labels = [
+            ("reward", "correct", "held-out pass@1", "staleness mean/max"),
+            ("generation tok/s", "training tok/s", "queue", "interruptions"),
+        ]
+        for row in labels:
+            cells: list[RenderableType] = []
+            for label in row:
+                cells += [Text(label, style="dim"), Text(values[label], style="bold")]
+            body.add_row(*cells)
+        return Group(head, body)
+
+    def _display_values(
+        self, step: int, stats: Mapping[str, float], previous: Mapping[str, float] | None
+    ) -> dict[str, str]:
+        step_seconds = _mean_step_seconds(self.session_steps, stats)
+        eta = step_seconds * max(self.total_steps - step, 0) if step_seconds is not None else None
+        staleness = f"{_fmt(stats.get(STALENESS_MEAN), '.2f')} / {_fmt(stats.get(STALENESS_MAX), '.0f')}"
+        return {
+            "step": f"{step}/{self.total_steps}",
+            "ETA": _duration(eta),
+            "reward": _fmt(stats.get(REWARD), ".3f"),
+            "correct": _fmt(stats.get(CORRECT), ".3f"),
+            "held-out pass@1": _fmt(self.heldout, ".3f"),
+            "staleness mean/max": staleness,
+            "generation tok/s": _fmt(generation_rate(previous, stats), ",.0f"),
+            "training tok/s": _fmt(stats.get(TRAIN_TOKENS_PER_S), ",.0f"),
+            "queue": _fmt(stats.get(QUEUE), ".0f"),
+            "interruptions": _fmt(stats.get(INTERRUPTIONS), ".0f"),
+        }
+
+    def _start_live(self) -> None:
+        """Show the display; console log handlers step aside (warnings still print, above the display)."""
+        root = logging.getLogger()
+        streams = {sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__}
+        self.muted = [
+            h
+            for h in root.handlers
+            if type(h) is logging.StreamHandler and getattr(h, "stream", None) in streams  # not files, not captures
+        ]
+        for handler in self.muted:
+            root.removeHandler(handler)
+        self.warnings_handler = RichHandler(console=self.console, level=logging.WARNING, show_path=False)
+        root.addHandler(self.warnings_handler)
+        self.live = Live(console=self.console, get_renderable=self.renderable, refresh_per_second=1)
+        self.live.start()
+
+    def _stop_live(self) -> None:
+        if self.live is None:
+            return
+        self.live.stop()
+        self.live = None
+        root = logging.getLogger()
+        root.removeHandler(self.warnings_handler)
+        for handler in self.muted:
+            root.addHandler(handler)
+        self.muted = []
+
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a stats key: characters outside `[A-Za-z0-9_./-]` become `_`."""
+    return _TAG_REFUSED.sub("_", key).lstrip("/")
+
+
+def _import_wandb(project: str) -> Any:
+    try:
+        import wandb
+    except ImportError as err:
+        raise ConfigError(
+            "report.wandb_project",
+            f"is {project!r} but wandb is not installed; pip install wandb, or leave report.wandb_project empty",
+        ) from err
+    return wandb
+
+
+def _start_wandb(wandb: Any, project: str, run_dir: Path, name: str | None, hparams: Mapping[str, Any] | None) -> Any:
+    """A W&B run in `<run_dir>/wandb`; a resumed run continues the W&B run whose id is kept there."""
+    directory = run_dir / WANDB_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    id_file = directory / "run-id"
+    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    id_file.write_text(run_id + "\n")
+    return wandb.init(
+        project=project,
+        name=name or run_dir.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        config=dict(hparams or {}),
+    )
+
+
+def _keep_steps_upto(path: Path, step: int) -> History:
+    """The lines of metrics.jsonl up to `step`, as (step, stats); later ones are removed from the file."""
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [(int(stats.get(STEP_KEY, i + 1)), stats) for i, stats in enumerate(lines)]
+    kept = [(s, stats) for s, stats in kept if s <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(json.dumps(stats) + "\n" for _, stats in kept), encoding="utf-8")
+    return kept
+
+
+def _last_value(history: History, key: str) -> float | None:
+    return next((stats[key] for _, stats in reversed(history) if key in stats), None)
+
+
+def generation_rate(previous: Mapping[str, float] | None, stats: Mapping[str, float]) -> float | None:
+    """Generated tokens per second over the last step: the growth of `generator/emitted_tokens` over that of
+    `time/wall`; at the first step of a process (the counters restarted) the process's own average."""
+    if EMITTED not in stats or WALL not in stats:
+        return None
+    emitted, wall = stats[EMITTED], stats[WALL]
+    if previous is not None and EMITTED in previous and WALL in previous:
+        d_emitted, d_wall = emitted - previous[EMITTED], wall - previous[WALL]
+        if d_emitted >= 0 and d_wall > 0:
+            return d_emitted / d_wall
+    return emitted / wall if wall > 0 else None
+
+
+def _mean_step_seconds(session_steps: list[tuple[int, float]], stats: Mapping[str, float]) -> float | None:
+    """Mean seconds per step of this process (between its logged steps), else the step's own step time."""
+    if len(session_steps) >= 2:
+        (first_step, first_t), (last_step, last_t) = session_steps[0], session_steps[-1]
+        if last_step > first_step:
+            return (last_t - first_t) / (last_step - first_step)
+    return stats.get("train/step_time")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def run_series(history: History) -> dict[str, np.ndarray]:
+    """The plotted series, one value per step (NaN where a step lacks it): `step`, `wall` (seconds, one axis
+    across resumes), reward, correct rate, held-out pass@1, mean staleness, generation and training
+    tokens/s; and `staleness` / `kept` (samples trained per staleness) when the pipeline counts them."""
+    steps = np.array([s for s, _ in history], dtype=np.float64)
+    walls, offset, last_wall = [], 0.0, None
+    gen_rates, previous = [], None
+    for _, stats in history:
+        wall = stats.get(WALL, math.nan)
+        if last_wall is not None and wall <= last_wall:  # a resumed process starts its clock again
+            offset += last_wall
+        if not math.isnan(wall):
+            last_wall = wall
+        walls.append(wall + offset)
+        rate = generation_rate(previous, stats)
+        gen_rates.append(math.nan if rate is None else rate)
+        previous = stats
+    series = {"step": steps, "wall": np.array(walls), "generation_tokens_per_s": np.array(gen_rates)}
+    for key in (REWARD, CORRECT, HELDOUT, STALENESS_MEAN, TRAIN_TOKENS_PER_S):
+        series[key] = np.array([stats.get(key, math.nan) for _, stats in history], dtype=np.float64)
+    counts = next(
+        (
+            {int(k[len(KEPT_BY_STALENESS) :]): v for k, v in stats.items() if k.startswith(KEPT_BY_STALENESS)}
+            for _, stats in reversed(history)
+            if any(k.startswith(KEPT_BY_STALENESS) for k in stats)
+        ),
+        None,
+    )
+    if counts:
+        staleness = sorted(counts)
+        series["staleness"] = np.array(staleness, dtype=np.float64)
+        series["kept"] = np.array([counts[s] for s in staleness], dtype=np.float64)
+    return series
+
+
+def write_plots(series: Mapping[str, np.ndarray], directory: Path) -> list[Path]:
+    """reward.png, staleness.png and throughput.png from `run_series` (matplotlib, Agg); their paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    directory.mkdir(parents=True, exist_ok=True)
+    minutes = series["wall"] / 60.0
+    written = []
+
+    def save(fig: Figure, name: str) -> None:
+        FigureCanvasAgg(fig)
+        fig.tight_layout()
+        path = directory / name
+        fig.savefig(path, dpi=100)
+        written.append(path)
+
+    fig = Figure(figsize=(11, 4))
+    for ax, x, xlabel in zip(fig.subplots(1, 2), (series["step"], minutes), ("step", "wall time (min)"), strict=True):
+        for key, label, style in (
+            (REWARD, "reward", "-"),
+            (CORRECT, "correct", "-"),
+            (HELDOUT, "held-out pass@1", "o-"),
+        ):
+            y = series[key]
+            shown = ~np.isnan(y)
+            if shown.any():
+                ax.plot(x[shown], y[shown], style, label=label, markersize=4)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("reward and accuracy")
+    save(fig, "reward.png")
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    if "kept" in series:
+        ax.bar(series["staleness"], series["kept"])
+        ax.set_xticks(series["staleness"])
+        ax.set_xlabel("staleness (policy versions behind)")
+        ax.set_ylabel("samples trained")
+    else:
+        y = series[STALENESS_MEAN]
+        ax.hist(y[~np.isnan(y)], bins=20)
+        ax.set_xlabel("mean staleness of a step's samples")
+        ax.set_ylabel("steps")
+    ax.set_title("staleness")
+    save(fig, "staleness.png")
+
+    fig = Figure(figsize=(8, 4))
+    ax = fig.subplots()
+    for key, label in (("generation_tokens_per_s", "generation"), (TRAIN_TOKENS_PER_S, "training")):
+        y = series[key]
+        shown = ~np.isnan(y)
+        if shown.any():
+            ax.plot(minutes[shown], y[shown], label=label)
+    ax.set_xlabel("wall time (min)")
+    ax.set_ylabel("tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("throughput")
+    save(fig, "throughput.png")
+    return written
