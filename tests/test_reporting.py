@@ -71,7 +71,7 @@ def test_outputs_agree_on_the_last_step(tmp_path, caplog, capsys):
     live_console = Console(record=True, width=160, file=io.StringIO())
     run_dir = tmp_path / "run"
     try:
-        reporter = RunReporter(ReportConfig(live="on"), run_dir, total_steps=10, console=live_console)
+        reporter = RunReporter(ReportConfig(live="always"), run_dir, total_steps=10, console=live_console)
         assert console_handler not in root.handlers  # the display owns the terminal; records go to train.log
         for step in range(1, 6):
             reporter.log(step, _stats(step))
@@ -135,7 +135,7 @@ def test_outputs_agree_on_the_last_step(tmp_path, caplog, capsys):
 
 def test_resume_continues_metrics_and_tensorboard(tmp_path):
     run_dir = tmp_path / "run"
-    quiet = ReportConfig(live="off", plots=False)
+    quiet = ReportConfig(live="never", plots=False)
     with RunReporter(quiet, run_dir, total_steps=7) as first:
         for step in range(1, 6):
             first.log(step, _stats(step))
@@ -143,7 +143,7 @@ def test_resume_continues_metrics_and_tensorboard(tmp_path):
         for step in (6, 7):
             second.log(step, _stats(step, wall_start=10.0))
     # The second process stopped after step 7 with its newest checkpoint at step 6: step 7 is trained again.
-    third = RunReporter(ReportConfig(live="off"), run_dir, total_steps=7, start_step=6)
+    third = RunReporter(ReportConfig(live="never"), run_dir, total_steps=7, start_step=6)
     third.log(7, _stats(7, wall_start=12.0, shift=1.0))
     third.close()
 
@@ -181,7 +181,7 @@ def test_wandb_is_optional_and_logs_every_step(tmp_path, monkeypatch):
 
     fake = types.SimpleNamespace(init=init, util=types.SimpleNamespace(generate_id=lambda: "abc123"))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    config = ReportConfig(wandb_project="p", live="off", plots=False)
+    config = ReportConfig(wandb_project="p", live="never", plots=False)
     with RunReporter(config, tmp_path / "b", total_steps=2, hparams={"seed": 1}) as reporter:
         reporter.log(1, _stats(1))
     fake.util.generate_id = lambda: "other"

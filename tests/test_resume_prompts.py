@@ -40,6 +40,7 @@ RUN = [
     "trainer.packing.rows=4",
     "train_checkpoint.every_steps=2",
     "report.plots=false",
+    "dataset.heldout=0",  # every prompt is trained
 ]
 
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
-from areal_jax.data.datasets import PromptRecord
+from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import drop_long_prompts, load_task_records, split_heldout
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
@@ -117,9 +117,20 @@ def build_prompts(cfg: ExperimentConfig, workflow: RolloutWorkflow) -> tuple[lis
     """(training prompts, held-out prompts): the configured records that the reward can score and whose
     rendered prompt fits `dataset.max_prompt_tokens`, split with the run seed."""
     data = cfg.dataset
-    records = load_task_records(data, cfg.seed)
+    try:
+        records = load_task_records(data, cfg.seed)
+    except MalformedRowError:
+        raise  # names its file and line already
+    except ValueError as err:
+        raise ConfigError("dataset.files", str(err)) from None
     check_reward_fields(records, cfg.reward)
-    records = drop_long_prompts(records, lambda r: len(workflow.render_prompt(r)), data.max_prompt_tokens)
-    if data.heldout:
+    try:
+        records = drop_long_prompts(records, lambda r: len(workflow.render_prompt(r)), data.max_prompt_tokens)
+    except ValueError as err:
+        raise ConfigError("dataset.max_prompt_tokens", str(err)) from None
+    if not data.heldout:
+        return records, []
+    try:
         return split_heldout(records, data.heldout, cfg.seed)
-    return records, []
+    except ValueError as err:
+        raise ConfigError("dataset.heldout", str(err)) from None

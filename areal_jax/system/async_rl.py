@@ -212,6 +212,7 @@ class _TrainingRun:
         self.rollouts_done = threading.Event()
         self.skipped_in_a_row = 0
         self.truncation_warned_at: int | None = None
+        self.before: dict[str, float] = {}  # the held-out evaluation of the starting policy (a new run)
 
     def restore(self) -> None:
         """Continue the newest checkpoint: arrays, version, prompt ledger; the log's unread rest set aside."""
@@ -293,6 +294,8 @@ class _TrainingRun:
                     name="areal-exhausted",
                 ).start()
                 try:
+                    if cfg.eval.every_steps and self.heldout and not self.metadata:
+                        self.before = self._evaluate(0, prefix="eval_before")
                     rewards = self._loop(profile, started)
                 finally:
                     profile.close()
@@ -382,12 +385,23 @@ class _TrainingRun:
         stats["rollout/failed_total"] = float(self.controller.stats.failed)
         version = self.trainer.version
         if _eval_due(self.cfg, version) and self.heldout:
-            prompts = self.heldout[: self.cfg.eval.max_prompts or None]
-            report = evaluate(self.generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
-            report.write(self.run_dir / "eval" / f"step-{version}")
-            stats.update(report.scalars())
+            stats.update(self._evaluate(version))
+        stats.update(self.before)  # the starting policy's held-out scores, on the first line of the run
+        self.before = {}
         stats["time/wall"] = time.perf_counter() - started
         return stats
+
+    def _evaluate(self, version: int, prefix: str = "eval") -> dict[str, float]:
+        """The held-out split on the live generator at its current version, written to eval/step-<version>."""
+        prompts = self.heldout[: self.cfg.eval.max_prompts or None]
+        try:
+            report = evaluate(self.generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
+        except Exception:  # a failing reward also fails the rollouts, whose budget stops the run if it must
+            logger.exception("held-out evaluation at step %d failed; training goes on", version)
+            return {}
+        report.write(self.run_dir / "eval" / f"step-{version}")
+        logger.info("held-out pass@1 at step %d: %.3f (%d prompts)", version, report.overall.pass_at_1, len(prompts))
+        return report.scalars(prefix)
 
     def _outputs(self) -> list[str]:
         """The run's outputs besides the reporter's, for its closing summary."""

@@ -85,7 +85,7 @@ class ReportConfig(Config):
     """What a run shows while it trains and writes besides metrics.jsonl, TensorBoard and train.log."""
 
     wandb_project: str = option("", doc="Weights & Biases project to log every step to (needs wandb); empty = off")
-    live: Literal["auto", "on", "off"] = option(
+    live: Literal["auto", "always", "never"] = option(
         "auto", doc="live progress display on stderr; auto = when stderr is a terminal"
     )
     plots: bool = option(True, doc="write PNG plots of reward, staleness and throughput into <run>/plots at the end")
@@ -149,7 +149,7 @@ class RunReporter:
         self.live: Live | None = None
         self.muted: list[logging.Handler] = []
         self.warnings_handler: logging.Handler | None = None
-        if config.live == "on" or (config.live == "auto" and sys.stderr.isatty()):
+        if config.live == "always" or (config.live == "auto" and sys.stderr.isatty()):
             self._start_live()
 
     def __enter__(self) -> RunReporter:
