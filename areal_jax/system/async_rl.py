@@ -249,28 +249,12 @@ class _TrainingRun:
         self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
         if self.metadata:
             self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
-        writer = RolloutLogWriter(
-            self.log_dir, writer_id=f"rollout{jax.process_index()}-{int(time.time())}", config=cfg.rollout.log
-        )
-        writer_lock = threading.Lock()
-
-        def sink(trajectories: list[Trajectory]) -> None:
-            with writer_lock:
-                for trajectory in trajectories:
-                    writer.append(trajectory)
-                writer.flush()  # one shard per group: the trainer sees each group as soon as it is done
-
-        self.batches = iter(
-            build_pipeline(
-                self.log_dir,
-                cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position is what was trained
-                trainer_version=lambda: trainer.version,
-                stop_event=_StopWhen(self.pipeline_stop.is_set, lambda: self.checkpointer.stop_requested),
-                writers_done=self.rollouts_done,
+        sink = _LogSink(
+            RolloutLogWriter(
+                self.log_dir, writer_id=f"rollout{jax.process_index()}-{int(time.time())}", config=cfg.rollout.log
             )
         )
-        if self.metadata:
-            self.batches.set_state(self.metadata["pipeline"])
+        self.batches = self._open_pipeline()
         profile = ProfileWindow(cfg.profile, self.run_dir / "profile")
         self.reporter = RunReporter(
             cfg.report, self.run_dir, cfg.train_steps, start_step=trainer.version, hparams=to_dict(cfg)
@@ -302,35 +286,54 @@ class _TrainingRun:
                     self.pipeline_stop.set()
                     self.controller.stop()
                     self.checkpointer.wait()
-                    with writer_lock:
-                        writer.close()
-            if self.controller.failure is not None:
-                raise RunFailed(str(self.controller.failure)) from self.controller.failure
-            signalled = self.checkpointer.stop_requested
-            final_dir = None
-            if signalled:
-                logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
-            else:
-                final = nnx.merge(trainer.graphdef, trainer.params)
-                if not tree_all_finite(trainer.params):
-                    raise RunFailed(f"the policy at step {trainer.version} has non-finite weights; nothing exported")
-                final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
-            self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
-            return RunSummary(
-                steps=trainer.version - int(self.metadata.get("version", 0)),
-                version=trainer.version,
-                trajectories_trained=rewards.trained,
-                mean_reward_first=rewards.first,
-                mean_reward_last=rewards.last,
-                wall_seconds=round(time.perf_counter() - started, 2),
-                generation_tokens=generator.stats.emitted_tokens,
-                interruptions=generator.stats.interruptions,
-                metrics_file=str(self.metrics_path),
-                final_hf_checkpoint=final_dir,
-                stopped_by_signal=signalled,
-            )
+                    sink.close()
+            return self._finish(generator, rewards, started)
         finally:
             self.reporter.close(self._outputs())  # after a failure (a no-op once closed)
+
+    def _open_pipeline(self) -> Any:
+        """The trainer's iterator over the rollout log, at the restored position on a resume."""
+        batches = iter(
+            build_pipeline(
+                self.log_dir,
+                self.cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position = what trained
+                trainer_version=lambda: self.trainer.version,
+                stop_event=_StopWhen(self.pipeline_stop.is_set, lambda: self.checkpointer.stop_requested),
+                writers_done=self.rollouts_done,
+            )
+        )
+        if self.metadata:
+            batches.set_state(self.metadata["pipeline"])
+        return batches
+
+    def _finish(self, generator: Generator, rewards: _RewardTrace, started: float) -> RunSummary:
+        """After the loop: the failure that stopped it, or the final export (not after a signal), and the summary."""
+        cfg, trainer = self.cfg, self.trainer
+        if self.controller.failure is not None:
+            raise RunFailed(str(self.controller.failure)) from self.controller.failure
+        signalled = self.checkpointer.stop_requested
+        final_dir = None
+        if signalled:
+            logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
+        else:
+            final = nnx.merge(trainer.graphdef, trainer.params)
+            if not tree_all_finite(trainer.params):
+                raise RunFailed(f"the policy at step {trainer.version} has non-finite weights; nothing exported")
+            final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
+        self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
+        return RunSummary(
+            steps=trainer.version - int(self.metadata.get("version", 0)),
+            version=trainer.version,
+            trajectories_trained=rewards.trained,
+            mean_reward_first=rewards.first,
+            mean_reward_last=rewards.last,
+            wall_seconds=round(time.perf_counter() - started, 2),
+            generation_tokens=generator.stats.emitted_tokens,
+            interruptions=generator.stats.interruptions,
+            metrics_file=str(self.metrics_path),
+            final_hf_checkpoint=final_dir,
+            stopped_by_signal=signalled,
+        )
 
     def _loop(self, profile: ProfileWindow, started: float) -> _RewardTrace:
         cfg, trainer = self.cfg, self.trainer
@@ -472,6 +475,25 @@ class _TrainingRun:
             "next_group_id": max(next_group_id, self.ledger.first_new_id),
             "outstanding": self.ledger.outstanding(next_group_id, open_group_ids(state)),
         }
+
+
+class _LogSink:
+    """Where finished groups go: the rollout log, one shard per group (the trainer sees each group as soon
+    as it is done); called from the controller's threads."""
+
+    def __init__(self, writer: RolloutLogWriter):
+        self.writer = writer
+        self.lock = threading.Lock()
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        with self.lock:
+            for trajectory in trajectories:
+                self.writer.append(trajectory)
+            self.writer.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            self.writer.close()
 
 
 @dataclasses.dataclass
