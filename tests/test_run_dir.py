@@ -241,10 +241,17 @@ def test_user_mistakes_end_in_one_line_and_debug_shows_the_traceback(tmp_path, c
     assert "Traceback" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
-def test_a_read_only_output_dir_ends_in_one_line(tmp_path, capsys):
-    (tmp_path / "ro").mkdir(mode=0o500)
-    assert main(["train", CONFIG, f"output_dir={tmp_path}/ro", NO_CACHE]) == EXIT_USER_ERROR
+def test_a_read_only_output_dir_ends_in_one_line(tmp_path, capsys, monkeypatch):
+    read_only = tmp_path / "ro"
+    real_mkdir = Path.mkdir
+
+    def refusing_mkdir(self, *args, **kwargs):  # root ignores mode bits, so the refusal is made here
+        if read_only in (self, *self.parents):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refusing_mkdir)
+    assert main(["train", CONFIG, f"output_dir={read_only}", NO_CACHE]) == EXIT_USER_ERROR
     assert "Permission denied" in _one_line_error(capsys)
 
 

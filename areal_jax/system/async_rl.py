@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -58,7 +57,7 @@ from areal_jax.system.assembly import (
 )
 from areal_jax.system.reporting import RunReporter
 from areal_jax.system.run_dir import prepare_run_dir
-from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer
+from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target
 from areal_jax.weights.in_process import InProcessPublisher
@@ -317,8 +316,8 @@ class _TrainingRun:
             logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
         else:
             final = nnx.merge(trainer.graphdef, trainer.params)
-            if not tree_all_finite(trainer.params):
-                raise RunFailed(f"the policy at step {trainer.version} has non-finite weights; nothing exported")
+            if bad := nonfinite_leaves(trainer.params):
+                raise RunFailed(f"the policy at step {trainer.version} has non-finite {bad[:3]}; nothing exported")
             final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
         self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
         return RunSummary(
@@ -507,17 +506,6 @@ class _RewardTrace:
             self.first = reward
         self.last = reward
         self.trained += trajectories
-
-
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-
-
-def tree_all_finite(tree: Any) -> bool:
-    """Whether every floating array of `tree` is finite (one jitted reduction; sharded arrays welcome)."""
-    return bool(_all_finite(tree))
 
 
 def _eval_due(cfg: ExperimentConfig, version: int) -> bool:
