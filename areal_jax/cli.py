@@ -99,6 +99,59 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return EXIT_RESUMABLE if summary.stopped_by_signal else 0
 
 
+def _cmd_trainer(args: argparse.Namespace) -> int:
+    from areal_jax.compilation_cache import enable_compilation_cache
+    from areal_jax.config import load_experiment
+    from areal_jax.system.trainer_role import run_trainer
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    enable_compilation_cache(cfg.compilation_cache_dir)
+    summary = run_trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    print(json.dumps(dataclasses.asdict(summary), indent=2))
+    return EXIT_RESUMABLE if summary.stopped_by_signal else 0
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from areal_jax.compilation_cache import enable_compilation_cache
+    from areal_jax.config import load_experiment
+    from areal_jax.system.rollout_server import RolloutServerError, run_rollout_server
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    enable_compilation_cache(cfg.compilation_cache_dir)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on every poll of a read-only store
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        summary = run_rollout_server(cfg, args.server, stop_event=stop)
+    except RolloutServerError as err:
+        print(f"areal-jax rollout: server {args.server} failed: {err}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    print(json.dumps(dataclasses.asdict(summary), indent=2))
+    return EXIT_RESUMABLE if summary.ended_by == "signal" else 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from areal_jax.config import load_experiment
+    from areal_jax.system.launcher import launch_local
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, [*overrides, f"cluster.rollout_servers={args.rollout}"])
+    return launch_local(
+        cfg,
+        args.rest,
+        rollout_servers=args.rollout,
+        trainer_cores=args.trainer_cores,
+        resume=args.resume,
+        overwrite=args.overwrite,
+    )
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
@@ -155,6 +208,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     train.set_defaults(func=_cmd_train)
+    trainer = sub.add_parser(
+        "trainer",
+        parents=[debug],
+        help="the trainer of a run whose rollout servers are separate processes (`areal-jax rollout`)",
+        epilog=f"exit status: 0 done, 1 the run failed, {EXIT_USER_ERROR} a user mistake, {EXIT_RESUMABLE} "
+        "stopped by SIGTERM/SIGINT after writing a checkpoint (rerun with --resume)",
+    )
+    trainer.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
+    trainer.add_argument("--overwrite", action="store_true", help="delete an earlier run and start over")
+    trainer.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    trainer.set_defaults(func=_cmd_trainer)
+    rollout = sub.add_parser(
+        "rollout",
+        parents=[debug],
+        help="rollout server I of cluster.rollout_servers, for the trainer of the same run directory",
+        epilog=f"exit status: 0 the trainer stopped or the prompts ran out, 1 failed, {EXIT_RESUMABLE} a signal",
+    )
+    rollout.add_argument("--server", type=int, default=0, help="this server's index, 0..cluster.rollout_servers-1")
+    rollout.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    rollout.set_defaults(func=_cmd_rollout)
+    launch = sub.add_parser("launch", parents=[debug], help="start a run's roles as processes")
+    launch_where = launch.add_subparsers(dest="where", required=True)
+    local = launch_where.add_parser(
+        "local",
+        parents=[debug],
+        help="one trainer and N rollout servers on this machine, each role on its own CPU cores",
+    )
+    local.add_argument("--rollout", type=int, default=1, help="rollout server processes")
+    local.add_argument("--trainer-cores", type=int, help="CPU cores of the trainer (default: half)")
+    local.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
+    local.add_argument("--overwrite", action="store_true", help="delete an earlier run and start over")
+    local.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    local.set_defaults(func=_cmd_launch)
     evaluate = sub.add_parser("eval", parents=[debug], help="evaluate a checkpoint (pass@1, avg@k, pass@k) on datasets")
     evaluate.add_argument(
         "--checkpoint",

@@ -15,6 +15,7 @@ from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
 from areal_jax.rollout.rewards import RewardConfig
 from areal_jax.sharding import MeshConfig
+from areal_jax.system.cluster import ClusterConfig, DistributedConfig
 from areal_jax.system.reporting import ReportConfig
 from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainerConfig
@@ -58,6 +59,12 @@ class ExperimentConfig(Config):
     )
     profile: ProfileConfig = option(default_factory=ProfileConfig, doc="an XProf trace over some trainer steps")
     eval: EvalConfig = option(default_factory=EvalConfig, doc="`areal-jax eval`, and held-out evals during `train`")
+    cluster: ClusterConfig = option(
+        default_factory=ClusterConfig, doc="rollout servers and trainer as separate processes (launch/rollout/trainer)"
+    )
+    distributed: DistributedConfig = option(
+        default_factory=DistributedConfig, doc="jax.distributed for a trainer over several processes or hosts"
+    )
     compilation_cache_dir: str | None = option(
         None, doc="persistent XLA compilation cache shared by runs (local or gs://); null = off"
     )

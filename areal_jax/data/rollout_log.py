@@ -365,6 +365,25 @@ class RolloutLogWriter:
         return shard
 
 
+class GroupLogSink:
+    """Where finished groups go: the rollout log, one shard per group (the trainer sees each group as soon
+    as it is done); called from the controller's threads."""
+
+    def __init__(self, writer: RolloutLogWriter):
+        self.writer = writer
+        self.lock = threading.Lock()
+
+    def __call__(self, trajectories: list[Trajectory]) -> None:
+        with self.lock:
+            for trajectory in trajectories:
+                self.writer.append(trajectory)
+            self.writer.flush()
+
+    def close(self) -> None:
+        with self.lock:
+            self.writer.close()
+
+
 def _report(problem: ReadProblem, problems: list[ReadProblem]) -> None:
     logger.warning("skipping unreadable rollout-log data: %s", problem)
     problems.append(problem)
@@ -439,6 +458,12 @@ def _read_one(
     except RuntimeError as err:
         _report(ReadProblem(shard.name, index, str(err)), problems)
         return None
+
+
+def logged_group_ids(directory: str | os.PathLike[str]) -> set[int]:
+    """The group ids of every readable record in the committed shards of `directory` (a restarted rollout
+    server's view of which of its groups were written)."""
+    return {entry.trajectory.group_id for shard in list_shards(directory) for entry in read_shard(directory, shard)[0]}
 
 
 def read_positions(directory: str | os.PathLike[str], positions: Iterable[tuple[str, int]]) -> list[LogEntry]:

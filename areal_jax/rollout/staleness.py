@@ -7,7 +7,9 @@ max_head_offpolicyness, a new prompt is admitted only while
 
 where `accepted` counts prompts whose samples were handed to the trainer side and `running` those
 still generating. eta = 0 is synchronous RL: the next batch starts only after the trainer consumed
-the previous one. Thread-safe. `wait_for_capacity` sleeps on a condition variable that `finish`,
+the previous one. With N rollout servers (separate processes), server i applies the i-th of N near-equal
+shares of the first bound (`server_share`) to its own counts, so together they keep the one-process
+bound without talking to each other. Thread-safe. `wait_for_capacity` sleeps on a condition variable that `finish`,
 `set_version`, `restore` and `close` notify, so a waiter wakes when the answer may have changed; its
 optional timeout bounds the wait, and `close` wakes every waiter with False (how the rollout controller's
 `stop()` ends its admission wait).
@@ -39,11 +41,20 @@ class StalenessSnapshot:
     capacity: int
 
 
+def server_share(total: int, server: int, servers: int) -> int:
+    """Server `server`'s part of `total` split into `servers` near-equal integer parts (they add up to
+    `total`; the first `total % servers` parts are one larger)."""
+    return (total + servers - 1 - server) // servers
+
+
 class StalenessManager:
     """Counts running/accepted/rejected prompts against the trainer version (see module docstring)."""
 
-    def __init__(self, config: StalenessConfig, version: int = 0):
+    def __init__(self, config: StalenessConfig, version: int = 0, server: int = 0, servers: int = 1):
+        if not 0 <= server < servers:
+            raise ValueError(f"server {server} is not one of {servers} servers")
         self.config = config
+        self._share = (server, servers)
         self._version = version
         self._running = 0
         self._accepted = 0
@@ -53,7 +64,7 @@ class StalenessManager:
 
     def _capacity_locked(self) -> int:
         cfg = self.config
-        by_staleness = (cfg.max_head_offpolicyness + self._version + 1) * cfg.batch_prompts
+        by_staleness = server_share((cfg.max_head_offpolicyness + self._version + 1) * cfg.batch_prompts, *self._share)
         by_staleness -= self._accepted + self._running
         return max(0, min(by_staleness, cfg.max_concurrent - self._running))
 

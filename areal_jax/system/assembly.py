@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
@@ -20,7 +21,7 @@ from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import drop_long_prompts, load_task_records, split_heldout
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from areal_jax.models.hf_io import load_hf_checkpoint, model_config_from_hf, save_hf_checkpoint
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import CHAR_SPEC, Tokenizer, load_tokenizer
 from areal_jax.rollout.rewards import Reward, RewardConfig
@@ -70,6 +71,29 @@ def _vocab_limit(model_vocab: int, tokenizer: Tokenizer, key: str) -> int | None
     return tokenizer.vocab_size if tokenizer.vocab_size < model_vocab else None
 
 
+def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The starting policy's architecture (`cfg.model`, or the HF checkpoint's), its vocabulary limited to the
+    tokenizer's, without reading any weights."""
+    if cfg.hf_checkpoint is None:
+        return cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
+    hf = _hf_config(cfg.hf_checkpoint)
+    limit = _vocab_limit(int(hf["vocab_size"]), tokenizer, "hf_checkpoint")
+    return model_config_from_hf(hf, vocab_limit=limit, **hf_load_options(cfg.model))
+
+
+def abstract_policy(cfg: ExperimentConfig, tokenizer: Tokenizer) -> Decoder:
+    """The policy with abstract arrays: the shape of what a rollout server loads from the weight store."""
+    config = policy_config(cfg, tokenizer)
+    return nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(cfg.seed)))
+
+
+def _hf_config(source: str) -> dict[str, Any]:
+    config_file = Path(source) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("hf_checkpoint", f"{source!r} is not an HF checkpoint directory: no config.json")
+    return json.loads(config_file.read_text())
+
+
 def load_policy(
     cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer, checkpoint: str | None = None
 ) -> Decoder:
@@ -79,10 +103,7 @@ def load_policy(
     if source is None:
         limit = _vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size")
         return create_decoder(cfg.model.replace(vocab_limit=limit), cfg.seed, mesh)
-    config_file = Path(source) / "config.json"
-    if not config_file.is_file():
-        raise ConfigError("hf_checkpoint", f"{source!r} is not an HF checkpoint directory: no config.json")
-    limit = _vocab_limit(int(json.loads(config_file.read_text())["vocab_size"]), tokenizer, "hf_checkpoint")
+    limit = _vocab_limit(int(_hf_config(source)["vocab_size"]), tokenizer, "hf_checkpoint")
     _, model = load_hf_checkpoint(source, mesh=mesh, vocab_limit=limit, **hf_load_options(cfg.model))
     return model
 

@@ -17,24 +17,26 @@ prompts, then continues: every prompt is trained once, in the uninterrupted run'
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import to_dict
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread, staleness_of
-from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter
 from areal_jax.data.tasks import TaskStream
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.evaluation import evaluate
@@ -136,12 +138,32 @@ def run_async(
     """Train up to `cfg.train_steps` steps of asynchronous RL on the configured prompts and reward. A new
     run needs a run directory without an earlier run (or `overwrite`); `resume` continues the newest
     checkpoint. Ends early when a finite dataset (`dataset.epochs`) has been used up."""
+    inference_mesh, trainer_mesh = build_meshes(cfg)
+
+    def rollouts(training: _TrainingRun) -> RolloutSide:
+        return InProcessRollouts(
+            cfg, training.model, training.workflow, training.stream, inference_mesh, training.ledger, training.metadata
+        )
+
+    return train(cfg, trainer_mesh, rollouts, resume=resume, overwrite=overwrite, stop_event=stop_event)
+
+
+def train(
+    cfg: ExperimentConfig,
+    trainer_mesh: Mesh,
+    rollouts: Callable[[_TrainingRun], RolloutSide],
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_event: threading.Event | None = None,
+) -> RunSummary:
+    """The trainer side of a run on `trainer_mesh`, fed by the rollout side `rollouts` builds (in this
+    process, or rollout server processes): run directory, policy, prompts, trainer, checkpoints, loop."""
     started = time.perf_counter()
     run_dir = cfg.run_dir
     latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
     prepare_run_dir(cfg, resume, overwrite, latest)
     tokenizer = build_tokenizer(cfg)
-    inference_mesh, trainer_mesh = build_meshes(cfg)
     model = load_policy(cfg, trainer_mesh, tokenizer)
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
         train_prompts, heldout = build_prompts(cfg, workflow)
@@ -160,7 +182,7 @@ def run_async(
             training = _TrainingRun(cfg, model, trainer, checkpointer, stream, heldout, workflow, stop_event)
             if resume:
                 training.restore()
-            return training.run(inference_mesh, started)
+            return training.run(rollouts(training), started)
         finally:
             checkpointer.close()
 
@@ -178,6 +200,113 @@ class _StopWhen:
 
     def is_set(self) -> bool:
         return any(check() for check in self.checks)
+
+
+class RolloutSide(Protocol):
+    """What the trainer loop needs from the rollout side, in this process or in rollout server processes."""
+
+    done: Any  # `is_set()` once every rollout has been written (a finite dataset ran out)
+
+    def serving(self, trainer: Trainer, on_failure: Callable[[], None]) -> contextlib.AbstractContextManager[Any]:
+        """Rollouts run (and `trainer.publish` reaches them) inside this context."""
+        ...
+
+    def stop(self) -> None: ...
+    def failed(self) -> bool: ...
+    def failure(self) -> BaseException | None: ...
+    def step_stats(self) -> dict[str, float]: ...
+    def next_group_id(self) -> int: ...
+    def rejected(self) -> int: ...
+    def generation_tokens(self) -> int: ...
+    def interruptions(self) -> int: ...
+    def local_generator(self) -> Generator | None: ...
+
+
+class InProcessRollouts:
+    """The rollout side inside the trainer's program: engine and generator on the inference mesh, the
+    controller's threads, the in-process weight publisher."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        model: Decoder,
+        workflow: RolloutWorkflow,
+        stream: TaskStream,
+        inference_mesh: Any,
+        ledger: GroupLedger,
+        metadata: dict[str, Any],
+    ):
+        self.cfg, self.model, self.workflow, self.stream = cfg, model, workflow, stream
+        self.inference_mesh, self.ledger, self.metadata = inference_mesh, ledger, metadata
+        self.done = threading.Event()
+        self.controller: RolloutController | None = None
+        self.generator: Generator | None = None
+
+    @contextlib.contextmanager
+    def serving(self, trainer: Trainer, on_failure: Callable[[], None]) -> Iterator[None]:
+        cfg = self.cfg
+        engine = Engine(self.model, cfg.rollout.engine, self.inference_mesh)
+        inference_params = copy_to(trainer.params, state_shardings(trainer.params, self.inference_mesh))
+        params = engine.load_params(inference_params, trainer.version)
+        engine.warmup(params)
+        self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
+        if self.metadata:
+            self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
+        writer_id = f"rollout{jax.process_index()}-{int(time.time())}"
+        self.sink = GroupLogSink(
+            RolloutLogWriter(cfg.run_dir / "rollout_log", writer_id=writer_id, config=cfg.rollout.log)
+        )
+        try:
+            with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
+                trainer.publish = InProcessPublisher(generator, self.staleness, cfg.rollout.interrupt)
+                self.generator = generator
+                self.controller = RolloutController(
+                    generator,
+                    self.workflow,
+                    self.stream.groups(self.ledger.first_new_id, self.ledger.reissued),
+                    self.staleness,
+                    self.sink,
+                    failures=cfg.rollout.failures,
+                    on_failure=on_failure,
+                ).start()
+                controller = self.controller
+                threading.Thread(
+                    target=lambda: (controller.exhausted.wait(), self.done.set()), daemon=True, name="areal-exhausted"
+                ).start()
+                yield
+        finally:
+            self.sink.close()
+
+    def stop(self) -> None:
+        if self.controller is not None:
+            self.controller.stop()
+
+    def failure(self) -> BaseException | None:
+        return None if self.controller is None else self.controller.failure
+
+    def failed(self) -> bool:
+        return self.failure() is not None
+
+    def step_stats(self) -> dict[str, float]:
+        assert self.generator is not None and self.controller is not None
+        stats = {f"generator/{k}": float(v) for k, v in dataclasses.asdict(self.generator.stats).items()}
+        stats["rollout/failed_total"] = float(self.controller.stats.failed)
+        return stats
+
+    def next_group_id(self) -> int:
+        return 0 if self.controller is None else self.controller.next_group_id
+
+    def rejected(self) -> int:
+        return self.staleness.snapshot().rejected
+
+    def generation_tokens(self) -> int:
+        return 0 if self.generator is None else self.generator.stats.emitted_tokens
+
+    def interruptions(self) -> int:
+        return 0 if self.generator is None else self.generator.stats.interruptions
+
+    def local_generator(self) -> Generator | None:
+        return self.generator
 
 
 class _TrainingRun:
@@ -208,7 +337,6 @@ class _TrainingRun:
         self.metadata: dict[str, Any] = {}
         self.ledger = GroupLedger()
         self.pipeline_stop = stop_event or threading.Event()
-        self.rollouts_done = threading.Event()
         self.skipped_in_a_row = 0
         self.truncation_warned_at: int | None = None
         self.before: dict[str, float] = {}  # the held-out evaluation of the starting policy (a new run)
@@ -239,54 +367,29 @@ class _TrainingRun:
         for step, reason in restored.rejected:
             logger.warning("checkpoint %d was not used: %s", step, reason)
 
-    def run(self, inference_mesh: Any, started: float) -> RunSummary:
-        cfg, trainer = self.cfg, self.trainer
-        engine = Engine(self.model, cfg.rollout.engine, inference_mesh)
-        inference_params = copy_to(trainer.params, state_shardings(trainer.params, inference_mesh))
-        params = engine.load_params(inference_params, trainer.version)
-        engine.warmup(params)
-        self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
-        if self.metadata:
-            self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
-        sink = _LogSink(
-            RolloutLogWriter(
-                self.log_dir, writer_id=f"rollout{jax.process_index()}-{int(time.time())}", config=cfg.rollout.log
-            )
-        )
+    def run(self, rollouts: RolloutSide, started: float) -> RunSummary:
+        self.rollouts = rollouts
         self.batches = self._open_pipeline()
-        profile = ProfileWindow(cfg.profile, self.run_dir / "profile")
+        profile = ProfileWindow(self.cfg.profile, self.run_dir / "profile")
         self.reporter = RunReporter(
-            cfg.report, self.run_dir, cfg.train_steps, start_step=trainer.version, hparams=to_dict(cfg)
+            self.cfg.report,
+            self.run_dir,
+            self.cfg.train_steps,
+            start_step=self.trainer.version,
+            hparams=to_dict(self.cfg),
         )
         try:
-            with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
-                trainer.publish = InProcessPublisher(generator, self.staleness, cfg.rollout.interrupt)
-                self.generator = generator
-                self.controller = RolloutController(
-                    generator,
-                    self.workflow,
-                    self.stream.groups(self.ledger.first_new_id, self.ledger.reissued),
-                    self.staleness,
-                    sink,
-                    failures=cfg.rollout.failures,
-                    on_failure=self.pipeline_stop.set,
-                ).start()
-                threading.Thread(
-                    target=lambda: (self.controller.exhausted.wait(), self.rollouts_done.set()),
-                    daemon=True,
-                    name="areal-exhausted",
-                ).start()
+            with rollouts.serving(self.trainer, on_failure=self.pipeline_stop.set):
                 try:
-                    if cfg.eval.every_steps and self.heldout and not self.metadata:
+                    if self.cfg.eval.every_steps and self.heldout and not self.metadata:
                         self.before = self._evaluate(0, prefix="eval_before")
                     rewards = self._loop(profile, started)
                 finally:
                     profile.close()
                     self.pipeline_stop.set()
-                    self.controller.stop()
+                    rollouts.stop()
                     self.checkpointer.wait()
-                    sink.close()
-            return self._finish(generator, rewards, started)
+            return self._finish(rewards, started)
         finally:
             self.reporter.close(self._outputs())  # after a failure (a no-op once closed)
 
@@ -297,19 +400,21 @@ class _TrainingRun:
                 self.log_dir,
                 self.cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position = what trained
                 trainer_version=lambda: self.trainer.version,
-                stop_event=_StopWhen(self.pipeline_stop.is_set, lambda: self.checkpointer.stop_requested),
-                writers_done=self.rollouts_done,
+                stop_event=_StopWhen(
+                    self.pipeline_stop.is_set, lambda: self.checkpointer.stop_requested, self.rollouts.failed
+                ),
+                writers_done=self.rollouts.done,
             )
         )
         if self.metadata:
             batches.set_state(self.metadata["pipeline"])
         return batches
 
-    def _finish(self, generator: Generator, rewards: _RewardTrace, started: float) -> RunSummary:
+    def _finish(self, rewards: _RewardTrace, started: float) -> RunSummary:
         """After the loop: the failure that stopped it, or the final export (not after a signal), and the summary."""
         cfg, trainer = self.cfg, self.trainer
-        if self.controller.failure is not None:
-            raise RunFailed(str(self.controller.failure)) from self.controller.failure
+        if (failure := self.rollouts.failure()) is not None:
+            raise RunFailed(str(failure)) from failure
         signalled = self.checkpointer.stop_requested
         final_dir = None
         if signalled:
@@ -327,8 +432,8 @@ class _TrainingRun:
             mean_reward_first=rewards.first,
             mean_reward_last=rewards.last,
             wall_seconds=round(time.perf_counter() - started, 2),
-            generation_tokens=generator.stats.emitted_tokens,
-            interruptions=generator.stats.interruptions,
+            generation_tokens=self.rollouts.generation_tokens(),
+            interruptions=self.rollouts.interruptions(),
             metrics_file=str(self.metrics_path),
             final_hf_checkpoint=final_dir,
             stopped_by_signal=signalled,
@@ -341,7 +446,7 @@ class _TrainingRun:
             while trainer.version < cfg.train_steps and not self.checkpointer.stop_requested:
                 batch = next(self.batches, None)
                 if batch is None:
-                    if not (self.checkpointer.stop_requested or self.controller.failure):
+                    if not (self.checkpointer.stop_requested or self.rollouts.failed()):
                         logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
                     break
                 self.ledger.consume(batch)
@@ -370,21 +475,20 @@ class _TrainingRun:
         return trace
 
     def _save_now(self) -> None:
-        if self.checkpointer.latest_step() != self.trainer.version and self.controller.failure is None:
+        if self.checkpointer.latest_step() != self.trainer.version and not self.rollouts.failed():
             arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
             self.checkpointer.save(self.trainer.version, arrays, self._checkpoint_metadata(), wait=True)
 
     def _step_stats(self, batch: list[Trajectory], version_before: int, started: float) -> dict[str, float]:
         stats = _reward_stats(batch, version_before)
-        stats.update({f"generator/{k}": float(v) for k, v in dataclasses.asdict(self.generator.stats).items()})
+        stats.update(self.rollouts.step_stats())
         counters = pipeline_stats(self.batches.get_state())
         for key, value in counters.items():
             if isinstance(value, dict):  # samples kept/dropped per staleness
                 stats.update({f"pipeline/{key}/{k}": float(v) for k, v in value.items()})
             else:
                 stats[f"pipeline/{key}"] = float(value)
-        stats["data/epoch"] = self.controller.next_group_id / self.stream.prompts_per_epoch
-        stats["rollout/failed_total"] = float(self.controller.stats.failed)
+        stats["data/epoch"] = self.rollouts.next_group_id() / self.stream.prompts_per_epoch
         version = self.trainer.version
         if _eval_due(self.cfg, version) and self.heldout:
             stats.update(self._evaluate(version))
@@ -396,8 +500,11 @@ class _TrainingRun:
     def _evaluate(self, version: int, prefix: str = "eval") -> dict[str, float]:
         """The held-out split on the live generator at its current version, written to eval/step-<version>."""
         prompts = self.heldout[: self.cfg.eval.max_prompts or None]
+        generator = self.rollouts.local_generator()
+        if generator is None:  # rollout servers in other processes: server 0 evaluates
+            return {}
         try:
-            report = evaluate(self.generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
+            report = evaluate(generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
         except Exception:  # a failing reward also fails the rollouts, whose budget stops the run if it must
             logger.exception("held-out evaluation at step %d failed; training goes on", version)
             return {}
@@ -465,34 +572,15 @@ class _TrainingRun:
         """What a resume needs besides the arrays: the version, the pipeline position, the groups consumed
         (the staleness bound counts them as accepted), the next group id and the outstanding groups."""
         state = self.batches.get_state()
-        next_group_id = self.controller.next_group_id
+        next_group_id = self.rollouts.next_group_id()
         return {
             "version": self.trainer.version,
             "pipeline": state,
             "consumed_groups": self.ledger.consumed_count,
-            "rejected": self.staleness.snapshot().rejected,
+            "rejected": self.rollouts.rejected(),
             "next_group_id": max(next_group_id, self.ledger.first_new_id),
             "outstanding": self.ledger.outstanding(next_group_id, open_group_ids(state)),
         }
-
-
-class _LogSink:
-    """Where finished groups go: the rollout log, one shard per group (the trainer sees each group as soon
-    as it is done); called from the controller's threads."""
-
-    def __init__(self, writer: RolloutLogWriter):
-        self.writer = writer
-        self.lock = threading.Lock()
-
-    def __call__(self, trajectories: list[Trajectory]) -> None:
-        with self.lock:
-            for trajectory in trajectories:
-                self.writer.append(trajectory)
-            self.writer.flush()
-
-    def close(self) -> None:
-        with self.lock:
-            self.writer.close()
 
 
 @dataclasses.dataclass

@@ -34,6 +34,8 @@ RUN_ENTRIES = (
     "checkpoints",
     "rollout_log",
     "rollout_log_unused",
+    "weights",  # the trainer role's weight versions (cluster.WEIGHTS_DIR)
+    "control",  # status and end markers of rollout server processes (cluster.CONTROL_DIR)
     "trained_groups.jsonl",
     "eval",
     "hf_final",
@@ -64,6 +66,12 @@ RESUME_MAY_CHANGE = (
     "mesh.*",
     "rollout.inference_share",
     "rollout.trainer_share",
+    "distributed.*",
+    "cluster.weights_keep",
+    "cluster.weights_poll_s",
+    "cluster.start_timeout_s",
+    "cluster.restarts",
+    "cluster.status_every_s",
     # speed and memory only: the same values are computed
     "model.remat",
     "model.logprob_chunk",

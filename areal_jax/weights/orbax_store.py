@@ -67,6 +67,10 @@ class OrbaxWeightPublisher:
         )
         self._pending: tuple[int, int, float] | None = None  # version, bytes, start time of the save in flight
 
+    def latest_version(self) -> int | None:
+        """The newest version saved (committed or in flight) in the directory."""
+        return self._manager.latest_step()
+
     def publish(self, params: Any, version: int) -> None:
         latest = self._manager.latest_step()
         if latest is not None and version <= latest:
@@ -123,8 +127,18 @@ class OrbaxWeightSubscriber:
         self._closed = threading.Event()
 
     def latest_version(self) -> int | None:
-        self._manager.reload()
-        return self._manager.latest_step()
+        steps = self._versions()
+        return max(steps) if steps else None
+
+    def _versions(self) -> list[int]:
+        """The committed versions, listed again (the publisher may delete one while Orbax lists it)."""
+        for _ in range(_LOAD_ATTEMPTS):
+            try:
+                self._manager.reload()
+                return list(self._manager.all_steps())
+            except FileNotFoundError:
+                continue
+        raise RuntimeError(f"cannot list the versions of {self.directory}: they keep vanishing while listed")
 
     def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
         delay, max_delay = self._poll
@@ -148,8 +162,7 @@ class OrbaxWeightSubscriber:
             try:
                 params = self._manager.restore(version, args=args)
             except Exception as err:  # a version deleted mid-read fails anywhere in Orbax/TensorStore
-                self._manager.reload()
-                steps = self._manager.all_steps()
+                steps = self._versions()
                 if version in steps:
                     failures_on_version += 1
                     if failures_on_version > 1:  # still there after a second try: a real error

@@ -1,0 +1,199 @@
+"""The multi-process shape: its config, and the rules the rollout servers and the trainer share.
+
+Roles talk only through the run directory (local, or any shared file system): the trainer publishes weight
+versions into `<run>/weights` (Orbax, see `weights/orbax_store.py`), rollout servers append finished groups
+to `<run>/rollout_log`, and small JSON files in `<run>/control` carry status and end-of-run markers. No
+service runs between them, so any process may die and restart without another one noticing more than a
+pause.
+
+Rollout server i of N owns the group ids g with g % N == i (group g is always prompt g of the task
+stream) and the i-th of N near-equal shares of the staleness bound (see `StalenessManager`): the N bounds
+add up to the one-process bound, with nothing to agree on at run time. A restarted server finds from the
+log which of its groups were written and issues the others again (`resume_point`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from areal_jax.configuration import Config, ConfigError, option
+
+CONTROL_DIR = "control"
+WEIGHTS_DIR = "weights"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig(Config):
+    """Rollout servers and the trainer as separate processes (`areal-jax launch local`, `areal-jax rollout`,
+    `areal-jax trainer`); unused by the one-process `areal-jax train`."""
+
+    rollout_servers: int = option(1, ge=1, doc="rollout server processes; server i owns group ids g % N == i")
+    weights_keep: int = option(
+        3, ge=2, doc="weight versions kept in <run>/weights (a server reading a deleted one loads the newest)"
+    )
+    weights_poll_s: float = option(0.05, gt=0, doc="how often a rollout server looks for a new weight version")
+    start_timeout_s: float = option(
+        600.0, gt=0, doc="how long a rollout server waits for the trainer's first weight version"
+    )
+    restarts: int = option(3, ge=0, doc="launch local: restarts of a rollout server that dies before the run ends")
+    status_every_s: float = option(2.0, gt=0, doc="how often a rollout server writes control/rollout-<i>.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig(Config):
+    """`jax.distributed` for a trainer spread over several processes (hosts). Null fields are detected from
+    the environment (Cloud TPU, SLURM, Open MPI), as `jax.distributed.initialize()` does."""
+
+    enabled: bool = option(False, doc="call jax.distributed.initialize before building the trainer's mesh")
+    coordinator_address: str | None = option(None, doc="host:port of process 0; null = detect")
+    num_processes: int | None = option(None, ge=1, doc="trainer processes; null = detect")
+    process_id: int | None = option(None, ge=0, doc="this process's index; null = detect")
+    local_device_ids: tuple[int, ...] | None = option(None, doc="devices this process uses; null = all local")
+
+    def validate(self) -> None:
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
+            raise ConfigError("process_id", f"value {self.process_id} must be below num_processes={self.num_processes}")
+
+
+def initialize_distributed(config: DistributedConfig) -> None:
+    """Join the trainer's processes (no-op unless enabled)."""
+    if not config.enabled:
+        return
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        local_device_ids=list(config.local_device_ids) if config.local_device_ids is not None else None,
+    )
+
+
+def owns_group(group_id: int, server: int, servers: int) -> bool:
+    return group_id % servers == server
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where server i goes on: the groups of its lost work (issued, never written) and the next new id."""
+
+    reissue: tuple[int, ...]
+    next_group_id: int
+    written: int  # its groups in the log: what its staleness count starts from
+
+
+def resume_point(written_group_ids: Iterable[int], server: int, servers: int) -> ResumePoint:
+    """From the group ids present in the log: server `server`'s ids below its highest written one that are
+    missing (in flight when it died, or set aside by a trainer resume) are issued again, then new ids go on
+    after the highest."""
+    mine = sorted({g for g in written_group_ids if owns_group(g, server, servers)})
+    if not mine:
+        return ResumePoint((), server, 0)
+    present = set(mine)
+    reissue = tuple(g for g in range(server, mine[-1], servers) if g not in present)
+    return ResumePoint(reissue, mine[-1] + servers, len(mine))
+
+
+def server_group_ids(point: ResumePoint, servers: int, end: int) -> Iterator[int]:
+    """The ids server i issues from `point`: the re-issued ones, then every N-th id below `end`."""
+    yield from point.reissue
+    yield from range(point.next_group_id, end, servers)
+
+
+def control_dir(run_dir: Path) -> Path:
+    return run_dir / CONTROL_DIR
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Readers see the old file or the new one, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(value, sort_keys=True))
+    os.replace(temporary, path)
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+class ControlFiles:
+    """The run directory's `control/` files: per-server status, done and failed markers, the stop marker."""
+
+    def __init__(self, run_dir: Path, servers: int):
+        self.directory = control_dir(run_dir)
+        self.servers = servers
+
+    def status_path(self, server: int) -> Path:
+        return self.directory / f"rollout-{server}.json"
+
+    def done_path(self, server: int) -> Path:
+        return self.directory / f"rollout-{server}.done"
+
+    def failed_path(self, server: int) -> Path:
+        return self.directory / f"rollout-{server}.failed"
+
+    @property
+    def stop_path(self) -> Path:
+        return self.directory / "stop"
+
+    @property
+    def ready_path(self) -> Path:
+        """Written by the trainer once it has restored its state and published its version: servers start
+        only then (a resumed trainer first sets the log's unread shards aside and drops newer versions)."""
+        return self.directory / "trainer.json"
+
+    def trainer_starting(self) -> None:
+        self.ready_path.unlink(missing_ok=True)
+
+    def trainer_ready(self, version: int) -> None:
+        write_json_atomic(self.ready_path, {"pid": os.getpid(), "version": version, "time": time.time()})
+
+    def ready_trainer(self) -> dict[str, Any] | None:
+        return read_json(self.ready_path)
+
+    def clear(self) -> None:
+        """A (re)started trainer: markers of an earlier attempt must not end this one."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for server in range(self.servers):
+            for path in (self.done_path(server), self.failed_path(server)):
+                path.unlink(missing_ok=True)
+        self.stop_path.unlink(missing_ok=True)
+
+    def write_status(self, server: int, status: dict[str, Any]) -> None:
+        write_json_atomic(self.status_path(server), {**status, "time": time.time()})
+
+    def statuses(self) -> list[dict[str, Any]]:
+        return [s for s in (read_json(self.status_path(i)) for i in range(self.servers)) if s is not None]
+
+    def mark_done(self, server: int) -> None:
+        write_json_atomic(self.done_path(server), {"time": time.time()})
+
+    def all_done(self) -> bool:
+        return all(self.done_path(i).exists() for i in range(self.servers))
+
+    def mark_failed(self, server: int, message: str) -> None:
+        write_json_atomic(self.failed_path(server), {"message": message, "time": time.time()})
+
+    def failures(self) -> list[str]:
+        found = (read_json(self.failed_path(i)) for i in range(self.servers))
+        return [f"rollout server {i}: {f['message']}" for i, f in enumerate(found) if f is not None]
+
+    def request_stop(self, reason: str) -> None:
+        write_json_atomic(self.stop_path, {"reason": reason, "time": time.time()})
+
+    def stop_requested(self) -> bool:
+        return self.stop_path.exists()
+
+
+def sum_statuses(statuses: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
+    """The servers' counters added up (the trainer's view of the whole rollout side)."""
+    return {key: float(sum(s.get(key, 0) for s in statuses)) for key in keys}

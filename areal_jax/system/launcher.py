@@ -1,0 +1,193 @@
+"""`areal-jax launch local`: a trainer process and N rollout server processes of one run on this machine.
+
+Each role gets its own CPU cores (`os.sched_setaffinity` before it starts, so XLA's thread pool sizes itself
+to them), its output is streamed here with a `[role]` prefix, and every child dies with the launcher
+(`PR_SET_PDEATHSIG`). The servers start once the trainer has restored its state and published its
+version (`control/trainer.json` with the trainer's pid). A rollout server that dies while the trainer
+runs is started again (at most `cluster.restarts` times; it re-issues the groups it had in flight). The
+run ends with the trainer: the servers leave on the trainer's stop marker (or are terminated after a
+grace period). Ctrl-C or SIGTERM is passed to every child: the trainer checkpoints and the launcher
+exits 75 (rerun with `--resume`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.system.cluster import ControlFiles
+
+logger = logging.getLogger(__name__)
+
+_GRACE_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSpec:
+    name: str
+    argv: tuple[str, ...]
+    cores: frozenset[int]
+
+
+def split_cores(cores: Sequence[int], trainer_cores: int) -> tuple[frozenset[int], frozenset[int]]:
+    """(trainer's cores, the rollout servers' cores): the first `trainer_cores` for the trainer, the rest for
+    the servers; on a single core both share it."""
+    cores = sorted(cores)
+    if len(cores) == 1:
+        return frozenset(cores), frozenset(cores)
+    if not 1 <= trainer_cores < len(cores):
+        raise ValueError(f"--trainer-cores {trainer_cores} must leave 1..{len(cores) - 1} cores for the trainer")
+    return frozenset(cores[:trainer_cores]), frozenset(cores[trainer_cores:])
+
+
+def role_specs(
+    config_args: Sequence[str],
+    rollout_servers: int,
+    trainer_cores: frozenset[int],
+    rollout_cores: frozenset[int],
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> list[RoleSpec]:
+    """The trainer, then each rollout server: `python -m areal_jax.cli <role> CONFIG overrides`."""
+    base = (sys.executable, "-m", "areal_jax.cli")
+    args = (*config_args, f"cluster.rollout_servers={rollout_servers}")
+    trainer_flags = (*(("--resume",) if resume else ()), *(("--overwrite",) if overwrite else ()))
+    specs = [RoleSpec("trainer", (*base, "trainer", *trainer_flags, *args), trainer_cores)]
+    for server in range(rollout_servers):
+        specs.append(RoleSpec(f"rollout{server}", (*base, "rollout", "--server", str(server), *args), rollout_cores))
+    return specs
+
+
+def _child_setup(cores: frozenset[int]) -> None:
+    """In the child before exec: its cores, and death with the launcher."""
+    os.sched_setaffinity(0, cores)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _Child:
+    """One running role: its process and the thread copying its output here."""
+
+    def __init__(self, spec: RoleSpec, env: dict[str, str]):
+        self.spec = spec
+        self.process = subprocess.Popen(
+            spec.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=lambda: _child_setup(spec.cores),
+            text=True,
+            bufsize=1,
+        )
+        self.pump = threading.Thread(target=self._stream, name=f"log-{spec.name}", daemon=True)
+        self.pump.start()
+
+    def _stream(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            sys.stdout.write(f"[{self.spec.name}] {line}")
+            sys.stdout.flush()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.pump.join(timeout=5)
+        return code
+
+
+def launch_local(
+    cfg: ExperimentConfig,
+    config_args: Sequence[str],
+    *,
+    rollout_servers: int,
+    trainer_cores: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> int:
+    """Run the roles until the trainer ends; the trainer's exit status (see the module docstring)."""
+    available = sorted(os.sched_getaffinity(0))
+    trainer_set, rollout_set = split_cores(available, trainer_cores or max(1, len(available) // 2))
+    specs = role_specs(config_args, rollout_servers, trainer_set, rollout_set, resume=resume, overwrite=overwrite)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logger.info(
+        "launching %s; trainer on cores %s, rollout servers on cores %s",
+        ", ".join(s.name for s in specs),
+        sorted(trainer_set),
+        sorted(rollout_set),
+    )
+    interrupted = threading.Event()
+    control = ControlFiles(cfg.run_dir, rollout_servers)
+    children = {"trainer": _Child(specs[0], env)}
+
+    def forward(signum: int, _frame: object) -> None:
+        interrupted.set()
+        for child in children.values():
+            child.signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    restarts = {spec.name: 0 for spec in specs[1:]}
+    try:
+        trainer = children["trainer"]
+        while trainer.poll() is None:
+            time.sleep(0.2)
+            if interrupted.is_set():
+                continue
+            if len(children) == 1:  # the servers start once this trainer has restored and published
+                ready = control.ready_trainer()
+                if ready is not None and ready.get("pid") == trainer.process.pid:
+                    children.update({spec.name: _Child(spec, env) for spec in specs[1:]})
+                continue
+            for spec in specs[1:]:
+                code = children[spec.name].poll()
+                if code is None or code == 0:
+                    continue  # running, or left cleanly (its prompts ran out)
+                if restarts[spec.name] >= cfg.cluster.restarts:
+                    if restarts[spec.name] == cfg.cluster.restarts:
+                        logger.error("%s exited %d; cluster.restarts=%d used up", spec.name, code, cfg.cluster.restarts)
+                        restarts[spec.name] += 1
+                    continue
+                restarts[spec.name] += 1
+                logger.warning(
+                    "%s exited %d; restarting it (%d of %d)", spec.name, code, restarts[spec.name], cfg.cluster.restarts
+                )
+                children[spec.name] = _Child(spec, env)
+        code = trainer.wait()
+        servers = list(children.values())[1:]
+        if code != 0:  # no stop marker may have been written: stop the servers now
+            for child in servers:
+                child.signal(signal.SIGTERM)
+        for child in servers:
+            if child.wait(_GRACE_S) is None:
+                logger.warning("%s did not stop within %.0f s; terminating it", child.spec.name, _GRACE_S)
+                child.signal(signal.SIGTERM)
+                if child.wait(_GRACE_S) is None:
+                    child.signal(signal.SIGKILL)
+                    child.wait()
+        logger.info("trainer exited %s; restarts: %s", code, restarts)
+        return int(code if code is not None else 1)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for child in children.values():
+            if child.poll() is None:
+                child.signal(signal.SIGKILL)

@@ -1,0 +1,290 @@
+"""`areal-jax rollout`: one rollout server process (engine, generator, workflows, rewards) of a run whose
+trainer is another process.
+
+It waits for the trainer's first weight version in `<run>/weights`, loads it onto this host's devices, and
+generates its groups (`cluster.py`: ids g % N == i, its share of the staleness bound) into the rollout
+log, as far ahead as its share allows. A follower thread polls the weight store; each new version is
+loaded straight onto the inference shardings and swapped in (interrupting in-flight generation or draining
+first, by `rollout.interrupt`), then admission follows the new version. Server 0 also evaluates the
+held-out split at the versions `eval.every_steps` names. The server ends when the trainer writes the stop
+marker, when its prompts run out (`control/rollout-<i>.done`) or when its failure budget is spent
+(`control/rollout-<i>.failed`, which stops the trainer too). A restarted server issues again the groups it
+had in flight (`resume_point`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.configuration import ConfigError
+from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, logged_group_ids
+from areal_jax.data.tasks import TaskStream
+from areal_jax.evaluation import evaluate
+from areal_jax.inference.engine import Engine
+from areal_jax.inference.generator import Generator
+from areal_jax.rollout.controller import RolloutController
+from areal_jax.rollout.rewards import Reward
+from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.sharding import make_mesh
+from areal_jax.system.assembly import abstract_policy, build_prompts, build_tokenizer, build_workflow
+from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, resume_point, server_group_ids
+from areal_jax.weights.base import abstract_target
+from areal_jax.weights.orbax_store import OrbaxWeightSubscriber
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutServerError(RuntimeError):
+    """The server cannot start or go on (no weights appeared, its rollouts keep failing)."""
+
+
+@dataclasses.dataclass
+class RolloutServerSummary:
+    server: int
+    groups_written: int
+    generation_tokens: int
+    interruptions: int
+    versions_loaded: int
+    ended_by: str  # "stop", "done", "failed", "signal"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    version: int
+    load_seconds: float
+    lag_seconds: float  # from the version's commit in the store to its use by the generator
+
+
+def run_rollout_server(
+    cfg: ExperimentConfig, server: int, stop_event: threading.Event | None = None
+) -> RolloutServerSummary:
+    """Serve rollouts for the trainer of `cfg.run_dir` until it stops (see the module docstring)."""
+    servers = cfg.cluster.rollout_servers
+    if not 0 <= server < servers:
+        raise ConfigError("cluster.rollout_servers", f"value {servers} has no server {server} (0..{servers - 1})")
+    run_dir = cfg.run_dir
+    control = ControlFiles(run_dir, servers)
+    stop_event = stop_event or threading.Event()
+    tokenizer = build_tokenizer(cfg)
+    mesh = make_mesh(cfg.mesh, jax.local_devices())
+    policy = abstract_policy(cfg, tokenizer)
+    engine = Engine(policy, cfg.rollout.engine, mesh)
+    target = abstract_target(nnx.state(policy), engine.param_shardings)  # what each version is loaded onto
+    subscriber = _wait_for_trainer(control, run_dir / WEIGHTS_DIR, cfg, stop_event)
+    if subscriber is None:
+        return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
+    try:
+        first = subscriber.load(subscriber.latest_version(), target)
+        params = engine.load_params(first.params, first.version)
+        engine.warmup(params)
+        with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
+            train_prompts, heldout = build_prompts(cfg, workflow)
+            stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
+            log_dir = run_dir / "rollout_log"
+            point = resume_point(logged_group_ids(log_dir), server, servers)
+            staleness = StalenessManager(cfg.rollout.staleness, first.version, server=server, servers=servers)
+            staleness.restore(point.written, 0, first.version)
+            logger.info(
+                "rollout server %d of %d at weights v%d: %d groups written before, %d re-issued, next id %d",
+                server,
+                servers,
+                first.version,
+                point.written,
+                len(point.reissue),
+                point.next_group_id,
+            )
+            tasks = ((g, stream.task_for(g)) for g in server_group_ids(point, servers, len(stream)))
+            writer = RolloutLogWriter(
+                log_dir, writer_id=f"rollout{server}-{time.time_ns()}-{os.getpid()}", config=cfg.rollout.log
+            )
+            sink = GroupLogSink(writer)
+            with Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed) as generator:
+                controller = RolloutController(
+                    generator, workflow, tasks, staleness, sink, failures=cfg.rollout.failures
+                ).start()
+                loaded: queue.Queue[_Loaded] = queue.Queue()
+                follower = _WeightFollower(
+                    subscriber, engine, generator, staleness, target, cfg, first.version, loaded, stop_event
+                )
+                follower.start()
+                serving = _Serving(cfg, server, control, generator, controller, workflow, heldout, loaded)
+                try:
+                    ended_by = serving.run(stop_event)
+                finally:
+                    stop_event.set()
+                    follower.join()
+                    controller.stop()
+                    sink.close()
+                    serving.write_status()
+                if follower.error is not None:  # not the rollouts' fault: the launcher restarts the server
+                    raise RolloutServerError(f"loading new weights failed: {follower.error}") from follower.error
+                if ended_by == "failed":
+                    control.mark_failed(server, str(controller.failure))
+                    raise RolloutServerError(str(controller.failure))
+                if ended_by == "done":
+                    control.mark_done(server)
+                return RolloutServerSummary(
+                    server=server,
+                    groups_written=point.written + controller.stats.accepted,
+                    generation_tokens=generator.stats.emitted_tokens,
+                    interruptions=generator.stats.interruptions,
+                    versions_loaded=serving.versions_loaded,
+                    ended_by=ended_by,
+                )
+    finally:
+        subscriber.close()
+
+
+def _wait_for_trainer(
+    control: ControlFiles, directory: Path, cfg: ExperimentConfig, stop_event: threading.Event
+) -> OrbaxWeightSubscriber | None:
+    """The trainer's weight store once the trainer says it is ready (it creates or restores the run and
+    publishes its version first); None when stopped first."""
+    deadline = time.monotonic() + cfg.cluster.start_timeout_s
+    while control.ready_trainer() is None or not directory.is_dir():
+        if stop_event.wait(cfg.cluster.weights_poll_s):
+            return None
+        if time.monotonic() > deadline:
+            raise RolloutServerError(
+                f"no weight version appeared in {directory} within cluster.start_timeout_s="
+                f"{cfg.cluster.start_timeout_s} s: is the trainer (`areal-jax trainer`) running on this run?"
+            )
+    return OrbaxWeightSubscriber(
+        directory, poll_initial_s=cfg.cluster.weights_poll_s, poll_max_s=cfg.cluster.weights_poll_s
+    )
+
+
+def _commit_time(store: Path, version: int) -> float | None:
+    """When `version` was committed (its directory's rename), for the weight-path latency."""
+    try:
+        return (store / str(version)).stat().st_mtime
+    except OSError:
+        return None
+
+
+class _WeightFollower(threading.Thread):
+    """Polls the weight store and swaps each new version into the generator, then into admission."""
+
+    def __init__(
+        self,
+        subscriber: OrbaxWeightSubscriber,
+        engine: Engine,
+        generator: Generator,
+        staleness: StalenessManager,
+        target: Any,
+        cfg: ExperimentConfig,
+        version: int,
+        loaded: queue.Queue[_Loaded],
+        stop_event: threading.Event,
+    ):
+        super().__init__(name="areal-weights", daemon=True)
+        self.subscriber, self.engine, self.generator, self.staleness = subscriber, engine, generator, staleness
+        self.target, self.version, self.loaded, self.stop_event = target, version, loaded, stop_event
+        self.interrupt = cfg.rollout.interrupt
+        self.poll = cfg.cluster.weights_poll_s
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                newest = self.subscriber.wait_for_version(self.version + 1, timeout_s=self.poll)
+                if newest is None:
+                    continue
+                weights = self.subscriber.load(newest, self.target)
+                self.generator.update_params(weights.params, weights.version, interrupt=self.interrupt).result()
+                self.staleness.set_version(weights.version)
+                self.version = weights.version
+                committed = _commit_time(Path(self.subscriber.directory), weights.version)
+                lag = time.time() - committed if committed is not None else float("nan")
+                self.loaded.put(_Loaded(weights.version, weights.seconds, lag))
+        except BaseException as err:  # reported by the server's loop, which stops the server
+            logger.exception("loading new weights failed")
+            self.error = err
+            self.stop_event.set()
+
+
+class _Serving:
+    """The server's main loop: status files, held-out evaluations (server 0), and the end of serving."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        server: int,
+        control: ControlFiles,
+        generator: Generator,
+        controller: RolloutController,
+        workflow: Any,
+        heldout: list[Any],
+        loaded: queue.Queue[_Loaded],
+    ):
+        self.cfg, self.server, self.control = cfg, server, control
+        self.generator, self.controller, self.workflow, self.heldout = generator, controller, workflow, heldout
+        self.loaded = loaded
+        self.versions_loaded = 0
+        self.weights: dict[str, float] = {}
+
+    def run(self, stop_event: threading.Event) -> str:
+        every = self.cfg.cluster.status_every_s
+        next_status = 0.0
+        while True:
+            if self.controller.failure is not None:
+                return "failed"
+            if self.control.stop_requested():
+                return "stop"
+            if self.controller.exhausted.is_set():
+                return "done"
+            if stop_event.is_set():
+                return "signal"
+            try:
+                news = self.loaded.get(timeout=min(every, 0.2))
+            except queue.Empty:
+                news = None
+            if news is not None:
+                self.versions_loaded += 1
+                self.weights = {
+                    "weights_version": news.version,
+                    "weights_load_seconds": news.load_seconds,
+                    "weights_lag_seconds": news.lag_seconds,
+                }
+                self._maybe_evaluate(news.version)
+            if time.monotonic() >= next_status:
+                self.write_status()
+                next_status = time.monotonic() + every
+
+    def write_status(self) -> None:
+        stats = dataclasses.asdict(self.generator.stats)
+        self.control.write_status(
+            self.server,
+            {
+                **stats,
+                **self.weights,
+                "accepted": self.controller.stats.accepted,
+                "failed": self.controller.stats.failed,
+                "next_group_id": self.controller.next_group_id,
+                "pid": os.getpid(),
+            },
+        )
+
+    def _maybe_evaluate(self, version: int) -> None:
+        every = self.cfg.eval.every_steps
+        if self.server != 0 or not self.heldout or not every or version % every:
+            return
+        prompts = self.heldout[: self.cfg.eval.max_prompts or None]
+        try:
+            report = evaluate(self.generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
+        except Exception:
+            logger.exception("held-out evaluation at version %d failed; serving goes on", version)
+            return
+        report.write(self.cfg.run_dir / "eval" / f"step-{version}")
+        logger.info("held-out pass@1 at version %d: %.3f (%d prompts)", version, report.overall.pass_at_1, len(prompts))

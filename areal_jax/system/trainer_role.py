@@ -1,0 +1,148 @@
+"""`areal-jax trainer`: the trainer of a run whose rollout servers are other processes (`areal-jax rollout`).
+
+The trainer owns the run directory: it creates it (or resumes it), publishes every version into
+`<run>/weights` through Orbax (saved asynchronously; a version becomes visible by one rename once written,
+so a server never reads a half-written one), reads `<run>/rollout_log` through the same Grain pipeline as
+the one-process run, and checkpoints the same way. The servers' status files give its rollout metrics;
+a server's failure marker stops it (`RunFailed`); at the end it writes the stop marker the servers wait for.
+
+On `--resume` the weight versions newer than the restored step (made by the lost part of the run) are
+deleted before the restored version is published again, so a server never serves weights the trainer does
+not have; the log's unread shards are set aside as in the one-process run, and the servers issue those
+groups again when they start (`cluster.resume_point`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.sharding import make_mesh
+from areal_jax.system.async_rl import RunSummary, train
+from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses
+from areal_jax.trainer.trainer import Trainer
+from areal_jax.weights.base import checkpoint_location
+from areal_jax.weights.orbax_store import OrbaxWeightPublisher
+
+logger = logging.getLogger(__name__)
+
+_GENERATOR_COUNTERS = (
+    "prefills",
+    "prefill_calls",
+    "decode_steps",
+    "emitted_tokens",
+    "interruptions",
+    "updates",
+    "busy_slot_steps",
+)
+
+
+class RemoteFailure(RuntimeError):
+    """A rollout server spent its failure budget (its marker file's message)."""
+
+
+class RemoteRollouts:
+    """The rollout side as rollout server processes, seen through the run directory."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        self.control = ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers)
+        self.done = _AllDone(self.control)
+        self.publish_seconds = 0.0
+
+    @contextlib.contextmanager
+    def serving(self, trainer: Trainer, on_failure: Callable[[], None]) -> Iterator[None]:
+        self.control.clear()
+        store = self.cfg.run_dir / WEIGHTS_DIR
+        _drop_versions_after(store, trainer.version)
+        publisher = OrbaxWeightPublisher(store, max_to_keep=self.cfg.cluster.weights_keep)
+        try:
+            if publisher.latest_version() != trainer.version:
+                publisher.publish(trainer.params, trainer.version)
+            publisher.wait()  # the servers start from this version
+            self.control.trainer_ready(trainer.version)
+            trainer.publish = lambda params, version: self._publish(publisher, params, version)
+            yield
+        finally:
+            publisher.close()
+
+    def _publish(self, publisher: OrbaxWeightPublisher, params: Any, version: int) -> None:
+        started = time.perf_counter()
+        publisher.publish(params, version)
+        self.publish_seconds = time.perf_counter() - started
+
+    def stop(self) -> None:
+        self.control.request_stop("the trainer stopped")
+
+    def failure(self) -> BaseException | None:
+        messages = self.control.failures()
+        return RemoteFailure("; ".join(messages)) if messages else None
+
+    def failed(self) -> bool:
+        return bool(self.control.failures())
+
+    def step_stats(self) -> dict[str, float]:
+        statuses = self.control.statuses()
+        stats = {f"generator/{k}": v for k, v in sum_statuses(statuses, _GENERATOR_COUNTERS).items()}
+        stats["rollout/failed_total"] = sum_statuses(statuses, ("failed",))["failed"]
+        stats["rollout/servers_reporting"] = float(len(statuses))
+        stats["weights/publish_blocking_seconds"] = self.publish_seconds
+        lags = [s["weights_lag_seconds"] for s in statuses if "weights_lag_seconds" in s]
+        if lags:
+            stats["weights/orbax_lag_seconds_max"] = float(max(lags))
+        return stats
+
+    def next_group_id(self) -> int:
+        statuses = self.control.statuses()
+        return max((int(s.get("next_group_id", 0)) for s in statuses), default=0)
+
+    def rejected(self) -> int:
+        return 0  # each server counts its own; a restarted server starts from the log
+
+    def generation_tokens(self) -> int:
+        return int(sum_statuses(self.control.statuses(), ("emitted_tokens",))["emitted_tokens"])
+
+    def interruptions(self) -> int:
+        return int(sum_statuses(self.control.statuses(), ("interruptions",))["interruptions"])
+
+    def local_generator(self) -> None:
+        return None
+
+
+class _AllDone:
+    """`is_set()` once every server has written its done marker (its prompts ran out)."""
+
+    def __init__(self, control: ControlFiles):
+        self.control = control
+
+    def is_set(self) -> bool:
+        return self.control.all_done()
+
+
+def _drop_versions_after(store: Any, version: int) -> None:
+    """Delete weight versions newer than `version` (a resumed trainer's lost future)."""
+    if not store.is_dir():
+        return
+    options = ocp.CheckpointManagerOptions(create=False)
+    with ocp.CheckpointManager(checkpoint_location(store), options=options) as manager:
+        for step in manager.all_steps():
+            if step > version:
+                logger.warning("deleting weight version %d: newer than the restored step %d", step, version)
+                manager.delete(step)
+
+
+def run_trainer(
+    cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False, stop_event: threading.Event | None = None
+) -> RunSummary:
+    """Train `cfg.train_steps` steps on what the rollout servers write (see the module docstring)."""
+    ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).trainer_starting()
+    initialize_distributed(cfg.distributed)
+    mesh = make_mesh(cfg.mesh)  # every device of every trainer process
+    return train(cfg, mesh, lambda _: RemoteRollouts(cfg), resume=resume, overwrite=overwrite, stop_event=stop_event)
