@@ -4,6 +4,7 @@
 # full model_forward.py, each under a timeout, and prints the markdown table for docs/benchmarks.md
 # (scripts/benchmark_table.py). Everything stays within BUDGET seconds, the install included: a benchmark
 # that would start too late is listed as skipped. Outputs: OUT/<label>.log, OUT/runs.tsv, OUT/table.md.
+# The install needs a package index (pip's own PIP_INDEX_URL / PIP_FIND_LINKS apply) unless .venv is current.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=tpu_scripts/lib.sh
@@ -14,7 +15,7 @@ DEVICE_SETTINGS=(
   "BUDGET|--budget|480|seconds for everything, the install included"
   "QUICK_TIMEOUT|--timeout|60|seconds allowed to each --quick benchmark"
   "FULL_TIMEOUT|--full-timeout|150|seconds allowed to the full model_forward.py"
-  "CPU|--cpu|0|1 (or --cpu alone): no CUDA install, run the benchmarks with PYTHON as it is"
+  "CPU|--cpu|0|1 (or --cpu alone): no install, run the benchmarks with PYTHON (main_job.py still uses .venv)"
   "PYTHON|--python|.venv/bin/python|the Python of the benchmarks in --cpu mode"
   "ONLY|--only||comma-separated labels to run, e.g. rewards,model_forward-full"
 )
