@@ -11,17 +11,26 @@ the in-flight count behind `num_in_flight`, a counter under its own lock. `stats
 
 The loop blocks on the inbox while it has nothing to do. Each iteration, between two decode steps, it:
   1. takes every posted command: registers submitted requests, records aborts, queues weight updates,
-     pauses or resumes; while paused it does nothing else;
+     pauses (after handling the step still in flight) or resumes; while paused it does nothing else;
   2. finishes aborted requests' samples with reason 'abort';
-  3. applies a pending weight update: with `interrupt=True`, every in-flight sample drops its slot (its
-     KV cache was made with the old weights) and is queued first for a re-prefill of prompt + tokens
-     generated so far; with `interrupt=False`, admission stops until in-flight samples finish on the
-     old weights, then the weights are swapped;
+  3. applies a pending weight update, after handling the step in flight: with `interrupt=True`, every
+     in-flight sample drops its slot (its KV cache was made with the old weights) and is queued first
+     for a re-prefill of prompt + tokens generated so far; with `interrupt=False`, admission stops until
+     in-flight samples finish on the old weights, then the weights are swapped;
   4. admits queued work into free slots (a new request's n samples share one prefill; a prefill call's
      spare rows go to prompts still queued in the same length bucket, so their admission is an insert);
-  5. runs one decode step over all slots and hands each emitted token to its sample, which checks its
-     stop conditions.
-Every output token keeps the behaviour log-prob and the policy version it was sampled with.
+  5. dispatches decode step t over all slots and starts the copy of its tokens to the host;
+  6. handles step t-1's tokens while step t runs on the device (pipelined, as JetStream's generate and
+     detokenize threads do, here within one thread): each token goes to the sample that held the slot
+     when the step was dispatched, which checks its stop conditions. A sample whose last token (by
+     max_new_tokens or the length cap) is in step t gives its slot up at dispatch, so the next admission
+     need not wait for that token; a sample that stops on a stop token or string is known one step late,
+     and the token its slot produced meanwhile is dropped. With `pipelined=False` a step's tokens are
+     handled right after it is dispatched (the baseline).
+Every output token keeps the behaviour log-prob and the policy version of the weights that sampled it: a
+step dispatched before a weight swap is handled (and attributed to the old version) before the swap.
+Stop strings are matched on text decoded incrementally (`IncrementalDecoder`): each token's new text
+plus the longest stop string's overlap with the text before it.
 """
 
 from __future__ import annotations
@@ -38,12 +47,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.inference.engine import DecodeState, Engine, PrefixBatch, VersionedParams, bucket_for
+from areal_jax.inference.engine import DecodeState, Engine, PrefixBatch, ResultTokens, VersionedParams, bucket_for
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.models.tokenizer import IncrementalDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +104,25 @@ class _Request:
     aborted: bool = False
 
 
+class StopStringMatcher:
+    """Whether a sample's text contains one of its stop strings, fed one token at a time: only the new
+    text and the stop strings' possible overlap with the text before it are searched."""
+
+    def __init__(self, stop_strings: tuple[str, ...], decode: Callable[[Sequence[int]], str]):
+        self._stops = stop_strings
+        self._overlap = max(0, *(len(stop) - 1 for stop in stop_strings))
+        self._decoder = IncrementalDecoder(decode)
+        self._tail = ""
+
+    def push(self, token: int) -> bool:
+        new = self._decoder.push(token)
+        if not new:
+            return False
+        window = self._tail + new
+        self._tail = window[-self._overlap :] if self._overlap else ""
+        return any(stop in window for stop in self._stops)
+
+
 @dataclasses.dataclass(eq=False)
 class _Sample:
     request: _Request
@@ -104,6 +132,8 @@ class _Sample:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     pending_version: int = -1
+    in_flight: int = 0  # dispatched decode steps whose token is not handled yet
+    stop_strings: StopStringMatcher | None = None
     slot: int | None = None
     interruptions: int = 0
     first_token_time: float | None = None
@@ -118,6 +148,16 @@ class _PrefillJob:
     samples: collections.deque[_Sample]
     prefix: tuple[PrefixBatch, int] | None = None  # (batched prefill result, this job's row)
     prefix_version: int = -1
+
+
+@dataclasses.dataclass(eq=False)
+class _Step:
+    """A dispatched decode step: the sample in each slot it decodes, the version of its weights, and its
+    emitted tokens (device arrays on their way to the host)."""
+
+    samples: list[tuple[int, _Sample]]
+    version: int
+    emitted: ResultTokens
 
 
 @dataclasses.dataclass(eq=False)
@@ -238,11 +278,13 @@ class Generator:
         detokenize: Callable[[Sequence[int]], str] | None = None,
         seed: int = 0,
         admission: Literal["continuous", "static"] = "continuous",
+        pipelined: bool = True,
     ):
         self.engine = engine
         self.params = params
         self.detokenize = detokenize
         self.admission = admission
+        self.pipelined = pipelined
         self.stats = GeneratorStats()
         self._seed = seed
         self._ids = itertools.count()
@@ -256,6 +298,7 @@ class Generator:
         self._requests: dict[str, _Request] = {}
         self._slots: list[_Sample | None] = [None] * engine.max_concurrent_decodes
         self._paused = False
+        self._in_flight_step: _Step | None = None
         self._decode_state: DecodeState = engine.init_decode_state()
         self._thread = threading.Thread(target=self._run, name="areal-generator", daemon=True)
         self._thread.start()
@@ -276,6 +319,9 @@ class Generator:
         request = _Request(request_id, prompt, sampling, n, future, time.perf_counter())
         request_seed = sampling.seed if sampling.seed is not None else mix_seed(self._seed, next(self._ids))
         request.samples = [_Sample(request, i, (request_seed, i)) for i in range(n)]
+        if sampling.stop_strings and self.detokenize is not None:
+            for sample in request.samples:
+                sample.stop_strings = StopStringMatcher(sampling.stop_strings, self.detokenize)
         self._count_in_flight(1)
         try:
             self._inbox.post(_Submit(request))
@@ -363,8 +409,9 @@ class Generator:
                 case _Update():
                     self._updates.append(command)
                 case _Pause(idle):
+                    self._drain()
                     self._paused = True
-                    idle.set()  # the previous step is over and no other starts until resume
+                    idle.set()  # every dispatched step is handled and no other starts until resume
                 case _Resume():
                     self._paused = False
                 case _Close():
@@ -372,7 +419,8 @@ class Generator:
         return True
 
     def _has_work(self) -> bool:
-        return not self._paused and bool(self._jobs or self._updates or self._aborts or self._has_active())
+        busy = self._jobs or self._updates or self._aborts or self._has_active() or self._in_flight_step
+        return not self._paused and bool(busy)
 
     def _has_active(self) -> bool:
         return any(s is not None for s in self._slots)
@@ -381,13 +429,23 @@ class Generator:
         aborts, self._aborts = self._aborts, set()
         self._apply_aborts(aborts)
         update = self._updates[0] if self._updates else None
-        if update is not None and self._try_apply_update(update):
-            self._updates.popleft()
+        if update is not None and (update.interrupt or not self._has_active()):  # else drain on the old weights
+            self._drain()
+            self._apply_update(self._updates.popleft())
             return
-        if update is None or update.interrupt:
+        if update is None:
             self._admit()
-        if self._has_active():
-            self._step()
+        step = self._dispatch() if self._has_active() else None
+        if self.pipelined:
+            step, self._in_flight_step = self._in_flight_step, step
+        if step is not None:
+            self._handle(step)
+
+    def _drain(self) -> None:
+        """Handle the step in flight, if any."""
+        step, self._in_flight_step = self._in_flight_step, None
+        if step is not None:
+            self._handle(step)
 
     def _register(self, request: _Request) -> None:
         if request.request_id in self._requests:
@@ -416,10 +474,8 @@ class Generator:
         self._requests.clear()
         self._count_in_flight(-len(requests))
 
-    def _try_apply_update(self, update: _Update) -> bool:
-        """Apply `update` now if its mode allows; True when applied."""
-        if not update.interrupt and self._has_active():
-            return False  # drain on the old weights first
+    def _apply_update(self, update: _Update) -> None:
+        """Swap in `update`'s weights (every dispatched step handled): in-flight samples are re-prefilled."""
         for slot, sample in enumerate(self._slots):
             if sample is None:
                 continue
@@ -436,7 +492,6 @@ class Generator:
         self.stats.updates += 1
         _resolve(update.done, update.params.version)
         logger.debug("weights v%d in use (interrupt=%s)", update.params.version, update.interrupt)
-        return True
 
     def _apply_aborts(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -525,21 +580,43 @@ class Generator:
                 self.stats.prefills += len(chunk)
                 self.stats.prefill_calls += 1
 
-    def _step(self) -> None:
-        max_position = max(len(s.request.prompt_ids) + len(s.output_ids) for s in self._slots if s is not None)
+    def _position(self, sample: _Sample) -> int:
+        """Where the sample's pending token is written by the next step dispatched."""
+        return len(sample.request.prompt_ids) + len(sample.output_ids) + sample.in_flight
+
+    def _dispatch(self) -> _Step:
+        """Start one decode step over all slots and the copy of its tokens to the host; a sample whose
+        last token is in this step gives up its slot now."""
+        active = [(slot, sample) for slot, sample in enumerate(self._slots) if sample is not None]
+        max_position = max(self._position(sample) for _, sample in active)
         self._decode_state, emitted = self.engine.generate(self.params, self._decode_state, max_position)
-        tokens, logprobs = (np.asarray(x) for x in jax.device_get((emitted.tokens, emitted.logprobs)))
-        now = time.perf_counter()
+        emitted.tokens.copy_to_host_async()
+        emitted.logprobs.copy_to_host_async()
         self.stats.decode_steps += 1
-        for slot, sample in enumerate(self._slots):
-            if sample is None:
-                continue
+        for slot, sample in active:
+            sample.in_flight += 1
+            emitted_count = len(sample.output_ids) + sample.in_flight
+            sampling = sample.request.sampling
+            if emitted_count >= sampling.max_new_tokens or self._position(sample) >= self.engine.config.max_length:
+                self._slots[slot] = None
+                sample.slot = None
+        return _Step(active, self.params.version, emitted)
+
+    def _handle(self, step: _Step) -> None:
+        """Give each token of `step` to the sample that held its slot at dispatch (unless that sample has
+        finished since) and check its stop conditions."""
+        tokens, logprobs = np.asarray(step.emitted.tokens), np.asarray(step.emitted.logprobs)
+        now = time.perf_counter()
+        for slot, sample in step.samples:
+            sample.in_flight -= 1
+            if sample.result is not None:
+                continue  # stopped or aborted after this step was dispatched
             self.stats.busy_slot_steps += 1
             self.stats.emitted_tokens += 1
             sample.output_ids.append(int(tokens[slot]))
             sample.logprobs.append(float(logprobs[slot]))
             sample.versions.append(sample.pending_version)
-            sample.pending_version = self.params.version
+            sample.pending_version = step.version
             if sample.first_token_time is None:
                 sample.first_token_time = now
             reason = self._stop_reason(sample)
@@ -550,10 +627,8 @@ class Generator:
         sampling = sample.request.sampling
         if sample.output_ids[-1] in sampling.stop_token_ids:
             return "stop"
-        if sampling.stop_strings and self.detokenize is not None:
-            text = self.detokenize(sample.output_ids)
-            if any(text.endswith(s) for s in sampling.stop_strings):
-                return "stop"
+        if sample.stop_strings is not None and sample.stop_strings.push(sample.output_ids[-1]):
+            return "stop"
         if len(sample.output_ids) >= sampling.max_new_tokens:
             return "length"
         if len(sample.request.prompt_ids) + len(sample.output_ids) >= self.engine.config.max_length:

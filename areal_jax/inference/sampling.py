@@ -35,7 +35,7 @@ class SamplingParams(Config):
     top_p: float = option(1.0, gt=0, le=1, doc="nucleus mass to keep; 1 = off")
     max_new_tokens: int = option(256, ge=1, doc="generated tokens at most")
     stop_token_ids: tuple[int, ...] = option((), doc="tokens that end a sample (included in the output)")
-    stop_strings: tuple[str, ...] = option((), doc="texts that end a sample when the output ends with one")
+    stop_strings: tuple[str, ...] = option((), doc="texts that end a sample once its decoded output contains one")
     seed: int | None = option(None, ge=0, doc="per-request seed; null = drawn by the generator")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol, overload, runtime_checkable
@@ -26,6 +26,7 @@ Messages = Sequence[Mapping[str, Any]]
 CHAR_SPEC = "char"
 DEFAULT_TEMPLATE = "default"
 TOOL_USE_TEMPLATE = "tool_use"
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for bytes that are not (yet) a whole character
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -67,6 +68,30 @@ class Tokenizer(Protocol):
         tokenize: Literal[False],
         **extra_vars: Any,
     ) -> str: ...
+
+
+class IncrementalDecoder:
+    """The text of a growing token sequence, a few tokens at a time: `push(token)` returns the text that
+    token completes, and the pushed pieces joined equal `decode(all tokens)` (less any trailing incomplete
+    character). Each push decodes only the tokens since the last complete character plus the previous
+    piece's tokens as context, so a tokenizer whose text of a token depends on its neighbour (a
+    SentencePiece leading space) decodes as it would in the whole sequence; a multi-byte character split
+    over several byte-level tokens is held back until its last byte arrives."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]):
+        self._decode = decode
+        self._ids: list[int] = []
+        self._context = 0  # first token of the window decoded for context
+        self._read = 0  # tokens whose text has been returned
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        done = self._decode(self._ids[self._context : self._read])
+        text = self._decode(self._ids[self._context :])
+        if len(text) <= len(done) or text.endswith(REPLACEMENT_CHAR):
+            return ""  # no new text yet, or it ends inside a multi-byte character
+        self._context, self._read = self._read, len(self._ids)
+        return text[len(done) :]
 
 
 def load_tokenizer(spec: str) -> HFTokenizer | CharTokenizer:
