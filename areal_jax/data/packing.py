@@ -204,24 +204,20 @@ class _RowPlacement:
 
 def first_fit_decreasing(lengths_N: np.ndarray, row_length: int) -> _RowPlacement:
     """Longest first, each sequence into the first row with room, a new row otherwise (sequences must fit a row)."""
-    free_R = np.zeros(len(lengths_N), dtype=np.int64)  # at most one row per sequence
-    count_R = np.zeros_like(free_R)
+    free: list[int] = []  # per used row, the tokens still free
+    count: list[int] = []
     row_N, offset_N, segment_N = (np.empty_like(lengths_N) for _ in range(3))
-    used_rows = 0
-    for i in np.argsort(-lengths_N, kind="stable"):
-        fits = np.flatnonzero(free_R[:used_rows] >= lengths_N[i])
-        if fits.size:
-            r = fits[0]
-        else:
-            r = used_rows
-            free_R[r] = row_length
-            used_rows += 1
-        row_N[i] = r
-        offset_N[i] = row_length - free_R[r]
-        free_R[r] -= lengths_N[i]
-        count_R[r] += 1
-        segment_N[i] = count_R[r]
-    return _RowPlacement(row_N, offset_N, segment_N, used_rows)
+    for i in np.argsort(-lengths_N, kind="stable").tolist():
+        n = int(lengths_N[i])
+        r = next((r for r, room in enumerate(free) if room >= n), len(free))
+        if r == len(free):
+            free.append(row_length)
+            count.append(0)
+        row_N[i], offset_N[i] = r, row_length - free[r]
+        free[r] -= n
+        count[r] += 1
+        segment_N[i] = count[r]
+    return _RowPlacement(row_N, offset_N, segment_N, len(free))
 
 
 def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: PackingConfig) -> list[PackPlan]:
@@ -245,7 +241,9 @@ def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: Pa
     num_minibatches = len(lengths_P)
 
     def bound(row_length: int) -> int:  # no bucket of this row length has fewer slots
-        return num_minibatches * row_length * -(-tokens // row_length)
+        # a row holds at most row_length tokens and at most one sequence longer than half of it
+        rows = max(-(-tokens // row_length), *(int(np.sum(2 * lengths > row_length)) for lengths in lengths_P))
+        return num_minibatches * row_length * -(-rows // config.rows) * config.rows
 
     best: tuple[tuple[int, int, int], int, list[_RowPlacement]] | None = None
     for row_length in sorted(config.row_lengths(longest), key=bound):

@@ -86,4 +86,6 @@ class TrainerConfig(Config):
     )
     ppo: PPOConfig = option(default_factory=PPOConfig, doc="the policy loss")
     advantage: AdvantageConfig = option(default_factory=AdvantageConfig, doc="outcome-reward advantages")
-    packing: PackingConfig = option(default_factory=PackingConfig, doc="token-budget micro-batches")
+    packing: PackingConfig = option(
+        default_factory=PackingConfig, doc="micro-batch buckets: each step the least-padding one under the token budget"
+    )

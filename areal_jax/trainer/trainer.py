@@ -64,7 +64,7 @@ class Trainer:
     `publish(params, version)` is called after every step with the new params (an `nnx.State` on the
     trainer mesh). Those arrays are donated to the next update, so a publisher that keeps them beyond
     its call must copy them (e.g. `jax.device_put` onto its own shardings) before returning. `planner`
-    replaces token-budget packing (e.g. the fixed-count baseline in the benchmark).
+    replaces the bucketed packing (e.g. the fixed-count baseline in the benchmark).
 
     `reference_params` (an `nnx.State` of the same model, e.g. a copy of the initial params) is the frozen
     reference policy of the KL terms; it is required when `ppo.kl_coef` or `advantage.kl_reward_coef` is
