@@ -1,4 +1,5 @@
-"""Token-budget packing: budget respected, every token exactly once, fixed shapes, refusals, the baseline."""
+"""Bucketed packing: budget respected, every token exactly once, the least-padding bucket, no new compilation once
+a workload's buckets are warm, refusals, the baseline."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,16 @@ import numpy as np
 import pytest
 
 from areal_jax.configuration import ConfigError
-from areal_jax.data.packing import PackingConfig, PackPlan, fixed_count_plan, pack_sequences
+from areal_jax.data.packing import (
+    ROW_LENGTHS,
+    PackingConfig,
+    PackPlan,
+    first_fit_decreasing,
+    fixed_count_plan,
+    pack_sequences,
+    plan_minibatches,
+)
+from tests.conftest import CompileCounter
 
 
 def check_layout(plan: PackPlan) -> None:
@@ -38,19 +48,24 @@ def random_lengths(seed: int, n: int, high: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, high + 1, size=n)
 
 
+def check_bucket(plan: PackPlan, cfg: PackingConfig) -> None:
+    """One shape from the bucket set, within the token budget, with every row's sequences inside the row."""
+    ((rows, length),) = set(plan.shapes)
+    assert rows * length <= cfg.token_budget
+    assert length in cfg.row_lengths(int(plan.lengths_N.max())) and rows in cfg.row_counts(length)
+    for m in range(plan.num_microbatches):
+        for r in range(rows):
+            in_row = (plan.microbatch_N == m) & (plan.row_N == r)
+            assert plan.lengths_N[in_row].sum() <= length
+            assert np.all(plan.offset_N[in_row] + plan.lengths_N[in_row] <= length)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_budget_respected_and_every_token_once(seed):
     cfg = PackingConfig(token_budget=256, rows=4)
     lengths = random_lengths(seed, 50, cfg.row_length)
     plan = pack_sequences(lengths, cfg)
-    assert set(plan.shapes) == {(4, 64)}
-    for m in range(plan.num_microbatches):
-        in_m = plan.microbatch_N == m
-        assert plan.lengths_N[in_m].sum() <= cfg.token_budget
-        for r in range(cfg.rows):
-            in_row = in_m & (plan.row_N == r)
-            assert plan.lengths_N[in_row].sum() <= cfg.row_length
-            assert np.all(plan.offset_N[in_row] + plan.lengths_N[in_row] <= cfg.row_length)
+    check_bucket(plan, cfg)
     check_layout(plan)
     assert plan.num_microbatches >= -(-lengths.sum() // cfg.token_budget)
 
@@ -61,7 +76,7 @@ def test_round_trip_of_per_token_values_with_trailing_axes():
     rng = np.random.default_rng(6)
     values = [rng.normal(size=(n, 2, 3)).astype(np.float32) for n in lengths]
     packed = plan.pack(values, pad_value=np.nan)
-    assert all(p.shape == (3, 32, 2, 3) for p in packed)
+    assert all(p.shape == (*plan.shapes[0], 2, 3) for p in packed)
     assert sum(int(np.isfinite(p[..., 0, 0]).sum()) for p in packed) == lengths.sum()
     for got, want in zip(plan.unpack(packed), values, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -76,13 +91,70 @@ def test_round_trip_of_per_token_values_with_trailing_axes():
         np.testing.assert_array_equal(seq_values, np.full(n, 10 * i))
 
 
-def test_first_fit_decreasing_fills_rows_tightly():
-    plan = pack_sequences([2, 6, 3, 2, 5, 4, 2], PackingConfig(token_budget=16, rows=2))
-    assert plan.num_microbatches == 2  # 3 rows of 8 are enough for 24 tokens: [6, 2], [5, 3], [4, 2, 2]
-    global_row_N = plan.microbatch_N * 2 + plan.row_N
-    rows = [plan.lengths_N[global_row_N == g][np.argsort(plan.offset_N[global_row_N == g])].tolist() for g in range(4)]
-    assert rows == [[6, 2], [5, 3], [4, 2, 2], []]
-    assert plan.capacity == 32 and plan.num_tokens == 24
+def test_first_fit_decreasing_fills_rows_tightly_and_the_bucket_with_least_padding_wins():
+    lengths = np.array([2, 6, 3, 2, 5, 4, 2])
+    placement = first_fit_decreasing(lengths, 8)
+    rows = [
+        lengths[placement.row_N == r][np.argsort(placement.offset_N[placement.row_N == r])].tolist() for r in range(3)
+    ]
+    assert rows == [[6, 2], [5, 3], [4, 2, 2]] and placement.num_rows == 3
+    # token budget 16, 2-row granularity, so rows of 6, 7 or 8 (2 rows each, 4 would exceed the budget):
+    # 6 -> [6] [5] [4,2] [3,2] [2]: 3 micro-batches, 36 slots; 7 -> [6] [5,2] [4,3] [2,2]: 28; 8 -> 3 rows: 32
+    plan = pack_sequences(lengths, PackingConfig(token_budget=16, rows=2))
+    assert plan.shapes == ((2, 7), (2, 7)) and plan.capacity == 28 and plan.num_tokens == 24
+    check_layout(plan)
+
+
+def brute_force_capacity(lengths_P: list[np.ndarray], cfg: PackingConfig) -> int:
+    """The fewest slots over every bucket, without the search's pruning."""
+    longest = max(int(lengths.max()) for lengths in lengths_P)
+    best = None
+    for length in cfg.row_lengths(longest):
+        rows_needed = max(first_fit_decreasing(lengths, length).num_rows for lengths in lengths_P)
+        for rows in cfg.row_counts(length):
+            slots = len(lengths_P) * cfg.round_microbatches(-(-rows_needed // rows)) * rows * length
+            best = slots if best is None else min(best, slots)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chosen_bucket_has_the_least_padding_and_mini_batches_share_it(seed):
+    rng = np.random.default_rng(seed)
+    cfg = PackingConfig(token_budget=int(rng.choice([256, 1024, 4096])), rows=int(rng.choice([1, 2, 4])))
+    lengths_P = [random_lengths(seed * 10 + p, int(rng.integers(1, 60)), cfg.row_length // 2) for p in range(3)]
+    plans = plan_minibatches(lengths_P, cfg)
+    assert len({plan.shapes for plan in plans}) == 1
+    for plan in plans:
+        check_bucket(plan, cfg)
+        check_layout(plan)
+    assert sum(plan.capacity for plan in plans) == brute_force_capacity(lengths_P, cfg)
+
+
+def test_issue_workload_packs_at_least_90_percent_with_the_default_config():
+    """8 prompts x 8 samples of `NN+NN=` (6 tokens) and exactly 64 new tokens: 64 sequences of 70 tokens, 69
+    positions each after the shift. The old fixed shape (rows of token_budget / rows) wasted 46% of the slots."""
+    cfg = PackingConfig()
+    plan = pack_sequences(np.full(64, 69), cfg)
+    assert plan.num_tokens / plan.capacity >= 0.9
+    assert plan.num_microbatches == 1
+    rows_needed = first_fit_decreasing(np.full(64, 69), cfg.row_length).num_rows
+    old_capacity = -(-rows_needed // cfg.rows) * cfg.token_budget
+    assert plan.num_tokens / old_capacity < 0.6
+    for seed in range(5):  # other batches of the workload: 56..64 new tokens
+        lengths = 5 + np.random.default_rng(seed).integers(56, 65, 64)
+        plan = pack_sequences(lengths, cfg)
+        assert plan.num_tokens / plan.capacity >= 0.85, plan.shapes
+
+
+def test_row_lengths_ladder_is_dense_and_bounded():
+    ladder = np.asarray(ROW_LENGTHS)
+    assert ladder[0] == 1 and np.all(np.diff(ladder) > 0)
+    from_8 = ladder[ladder >= 8]
+    assert np.all(from_8[1:] / from_8[:-1] <= 1.125 + 1e-9)  # 8 per octave: neighbours at most 12.5% apart
+    assert np.all(ladder[ladder >= 64] % 8 == 0) and np.all(ladder[ladder >= 1024] % 128 == 0)
+    cfg = PackingConfig(token_budget=1000, rows=1)
+    assert cfg.row_lengths(900) == [960, 1000]  # the longest row itself is always a bucket
+    assert cfg.row_counts(300) == [1, 2] and PackingConfig(token_budget=1024, rows=4).row_counts(64) == [4, 8, 16]
 
 
 @pytest.mark.parametrize(
@@ -97,7 +169,7 @@ def test_microbatch_count_comes_from_a_small_fixed_set(rounding, multiple, allow
         plan = pack_sequences(random_lengths(seed, n, 64), cfg)
         needed = int(plan.microbatch_N.max()) + 1
         assert plan.num_microbatches >= needed
-        assert set(plan.shapes) == {(2, 64)}
+        check_bucket(plan, cfg)
         if allowed is None:
             assert plan.num_microbatches == needed
         else:
@@ -107,20 +179,29 @@ def test_microbatch_count_comes_from_a_small_fixed_set(rounding, multiple, allow
     assert len(counts) > 1
 
 
-def test_jitted_step_compiles_once_across_batches():
-    cfg = PackingConfig(token_budget=64, rows=2)
+def test_no_new_compilation_once_the_workload_buckets_are_warm():
+    """Batches of one workload land in one bucket: the jitted step compiles for the first and never again."""
+    cfg = PackingConfig()
     step = jax.jit(lambda seg, pos: jnp.sum(jnp.where(seg > 0, pos, 0)))
-    for seed in range(5):
-        plan = pack_sequences(random_lengths(seed, 20, 32), cfg)
-        total = sum(int(step(s, p)) for s, p in zip(plan.segment_ids(), plan.positions(), strict=True))
-        assert total == sum(n * (n - 1) // 2 for n in plan.lengths_N)
-    assert step._cache_size() == 1
+
+    def run(seed: int) -> None:
+        plan = pack_sequences(5 + np.random.default_rng(seed).integers(58, 65, 64), cfg)
+        segment_ids, positions = np.stack(plan.segment_ids()), np.stack(plan.positions())
+        assert int(step(segment_ids, positions)) == sum(n * (n - 1) // 2 for n in plan.lengths_N)
+
+    run(0)
+    with CompileCounter() as compiles:
+        for seed in range(1, 6):
+            run(seed)
+    assert compiles.count == 0 and step._cache_size() == 1
 
 
 def test_oversize_and_empty_sequences_are_refused():
     cfg = PackingConfig(token_budget=64, rows=2)
-    with pytest.raises(ValueError, match=r"sequence 3 has length 40 > row length 32"):
+    with pytest.raises(ValueError, match=r"sequence 4 has length 50 > row length 32"):
         pack_sequences([5, 32, 7, 40, 50], cfg)
+    with pytest.raises(ValueError, match=r"sequence 1 of mini-batch 1 has length 33 > row length 32"):
+        plan_minibatches([[5], [4, 33]], cfg)
     with pytest.raises(ValueError, match=r"sequence 1 has length 0"):
         pack_sequences([5, 0, 7], cfg)
     with pytest.raises(ValueError, match="non-empty 1-d integer"):

@@ -87,7 +87,7 @@ def test_sharded_step_equals_single_device_and_opt_state_is_sharded_like_params(
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     sharded_step = TrainStep(graphdef, state, CONFIG, mesh, temperature=TEMPERATURE)
     (batch,) = build_batch(make_trajectories(np.random.default_rng(0), 8, lengths=(4, 24)), CONFIG).minibatches
-    assert batch.shape == (1, 4, 64)
+    assert batch.shape == (1, 4, 30)  # the least-padding bucket
 
     params_1, _, stats_1 = _run_update(single_step, state, batch)
     params_8, opt_8, stats_8 = _run_update(sharded_step, state, batch)
@@ -113,7 +113,7 @@ def test_loss_and_gradient_do_not_depend_on_microbatching_or_packing(model_state
     (batch_one,) = build_batch(trajectories, CONFIG).minibatches
     (batch_several,) = build_batch(trajectories, several).minibatches
     (batch_fixed,) = build_batch(trajectories, CONFIG, lambda n: fixed_count_plan(n, 4)).minibatches
-    assert batch_one.shape == (1, 4, 64) and batch_several.shape == batch_fixed.shape == (2, 4, 16)
+    assert batch_one.shape == (1, 4, 24) and batch_several.shape == batch_fixed.shape == (2, 4, 16)
     assert not np.array_equal(batch_several.segment_ids, batch_fixed.segment_ids)
 
     def loss_and_grad(batch: PackedBatch):
@@ -141,7 +141,7 @@ def test_loss_and_gradient_do_not_depend_on_microbatching_or_packing(model_state
 def test_proximal_pass_is_token_logprobs_and_first_ratio_is_one(model_state, single_step):
     graphdef, state = model_state
     (batch,) = build_batch(make_trajectories(np.random.default_rng(2), 8, lengths=(4, 24)), CONFIG).minibatches
-    assert batch.shape == (1, 4, 64)
+    assert batch.shape == (1, 4, 32)
     params, opt_state = single_step.init(state)
     device_batch = single_step.put_batch(batch)
     logp_prox = single_step.logprobs(params, device_batch)

@@ -2,11 +2,13 @@
 
 Host-side NumPy. A micro-batch is a `[rows, length]` array whose rows hold whole sequences back to back,
 described by `segment_ids` (0 = padding, 1.. = the sequences of a row in order) and `positions` (0 at the
-start of every sequence). `pack_sequences` places sequences by first-fit-decreasing into rows of a fixed
-length (token budget / rows), so the number of micro-batches is the smallest this greedy finds, and pads
-that number up (to a multiple or a power of two) so only a few shapes ever reach jit. `fixed_count_plan`
-is the baseline for comparison: a fixed number of sequences per micro-batch, padded to the longest.
-Legend: N sequences, M micro-batches, B rows of a micro-batch, L row length.
+start of every sequence). The shape is chosen per step from a small fixed set of buckets: a row length from
+the ladder of `ROW_LENGTHS` (8 steps per octave) and `rows * 2^j` rows, within the memory cap
+`rows x length <= token_budget`. For every row length the sequences are placed first-fit-decreasing; the
+bucket and micro-batch count with the fewest token slots (least padding) win. The micro-batch count is
+padded up (to a multiple or a power of two), so only a few shapes ever reach jit. `fixed_count_plan` is the
+baseline for comparison: a fixed number of sequences per micro-batch, padded to the longest.
+Legend: N sequences, P mini-batches packed to one shape, M micro-batches, B rows of a micro-batch, L row length.
 """
 
 from __future__ import annotations
@@ -20,13 +22,26 @@ import numpy as np
 
 from areal_jax.configuration import Config, ConfigError, option
 
+# Row lengths of the buckets: 1..15, then m * 2^e for m in 8..15 (8 per octave, adjacent ones <= 12.5% apart);
+# from 64 on they are multiples of 8, from 1024 on multiples of 128.
+ROW_LENGTHS = tuple(sorted({*range(1, 16), *(m << e for m in range(8, 16) for e in range(1, 24))}))
+
 
 @dataclasses.dataclass(frozen=True)
 class PackingConfig(Config):
-    """Shape of the packed micro-batches and how their count is rounded."""
+    """The buckets the packed micro-batches are shaped from, the memory cap, and how their count is rounded."""
 
-    token_budget: int = option(8192, gt=0, doc="tokens per micro-batch (rows * row length)")
-    rows: int = option(8, gt=0, doc="rows per micro-batch; the row length is token_budget / rows")
+    token_budget: int = option(
+        8192,
+        gt=0,
+        doc="memory cap: token slots (rows * row length) of one micro-batch; each step's shape is chosen under it",
+    )
+    rows: int = option(
+        8,
+        gt=0,
+        doc="row granularity: a micro-batch has rows * 2^j rows (a multiple of the trainer's data*fsdp shards); "
+        "the longest row, so the longest sequence, is token_budget / rows",
+    )
     microbatch_rounding: Literal["multiple", "pow2"] = option(
         "multiple",
         doc="pad the number of micro-batches up to a multiple of microbatch_multiple, or to a power of two",
@@ -43,7 +58,20 @@ class PackingConfig(Config):
 
     @property
     def row_length(self) -> int:
+        """The longest row of any bucket (and so the longest sequence that can be packed)."""
         return self.token_budget // self.rows
+
+    def row_lengths(self, longest: int) -> list[int]:
+        """The bucket row lengths a batch whose longest sequence is `longest` can use (the longest row included)."""
+        return [n for n in ROW_LENGTHS if longest <= n < self.row_length] + [self.row_length]
+
+    def row_counts(self, row_length: int) -> list[int]:
+        """The bucket row counts of micro-batches with rows of `row_length`: rows * 2^j within the token budget."""
+        counts, count = [], self.rows
+        while count * row_length <= self.token_budget:
+            counts.append(count)
+            count *= 2
+        return counts
 
     def round_microbatches(self, count: int) -> int:
         """The padded number of micro-batches for `count` needed ones."""
@@ -164,50 +192,87 @@ def _check_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     return lengths_N.astype(np.int64)
 
 
-def pack_sequences(lengths: Sequence[int] | np.ndarray, config: PackingConfig) -> PackPlan:
-    """First-fit-decreasing placement of sequences into rows of `config.row_length`, rows grouped into
-    micro-batches of `config.rows`; every micro-batch has shape [rows, row_length].
+@dataclasses.dataclass(frozen=True)
+class _RowPlacement:
+    """First-fit-decreasing placement of one mini-batch's sequences into rows of one length."""
 
-    A sequence longer than the row length is refused with an error naming its index and length.
+    row_N: np.ndarray
+    offset_N: np.ndarray
+    segment_N: np.ndarray
+    num_rows: int
+
+
+def first_fit_decreasing(lengths_N: np.ndarray, row_length: int) -> _RowPlacement:
+    """Longest first, each sequence into the first row with room, a new row otherwise (sequences must fit a row)."""
+    free: list[int] = []  # per used row, the tokens still free
+    count: list[int] = []
+    row_N, offset_N, segment_N = (np.empty_like(lengths_N) for _ in range(3))
+    for i in np.argsort(-lengths_N, kind="stable").tolist():
+        n = int(lengths_N[i])
+        r = next((r for r, room in enumerate(free) if room >= n), len(free))
+        if r == len(free):
+            free.append(row_length)
+            count.append(0)
+        row_N[i], offset_N[i] = r, row_length - free[r]
+        free[r] -= n
+        count[r] += 1
+        segment_N[i] = count[r]
+    return _RowPlacement(row_N, offset_N, segment_N, len(free))
+
+
+def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: PackingConfig) -> list[PackPlan]:
+    """Pack each of P mini-batches into micro-batches of one common bucket `[M, B, L]`: the one with the fewest
+    token slots P * M * B * L (ties: fewer micro-batches, then shorter rows) over the bucket row lengths L, row
+    counts B and the rounded micro-batch counts M that hold every mini-batch's first-fit-decreasing rows.
+
+    A sequence longer than `config.row_length` is refused with an error naming its index and length.
     """
-    lengths_N = _check_lengths(lengths)
-    row_length = config.row_length
-    too_long = np.flatnonzero(lengths_N > row_length)
-    if too_long.size:
-        i = int(too_long[0])
+    lengths_P = [_check_lengths(lengths) for lengths in lengths_P]
+    longest = max(int(lengths.max()) for lengths in lengths_P)
+    if longest > config.row_length:
+        p = next(p for p, lengths in enumerate(lengths_P) if lengths.max() == longest)
+        i = int(np.argmax(lengths_P[p]))
+        where = f"sequence {i}" if len(lengths_P) == 1 else f"sequence {i} of mini-batch {p}"
         raise ValueError(
-            f"sequence {i} has length {lengths_N[i]} > row length {row_length} "
+            f"{where} has length {longest} > row length {config.row_length} "
             f"(token_budget {config.token_budget} / rows {config.rows}); it cannot be packed"
         )
-    free_R = np.zeros(len(lengths_N), dtype=np.int64)  # at most one row per sequence
-    used_rows = 0
-    global_row_N = np.empty_like(lengths_N)
-    offset_N = np.empty_like(lengths_N)
-    segment_N = np.empty_like(lengths_N)
-    count_R = np.zeros_like(free_R)
-    for i in np.argsort(-lengths_N, kind="stable"):
-        fits = np.flatnonzero(free_R[:used_rows] >= lengths_N[i])
-        if fits.size:
-            r = fits[0]
-        else:
-            r = used_rows
-            free_R[r] = row_length
-            used_rows += 1
-        global_row_N[i] = r
-        offset_N[i] = row_length - free_R[r]
-        free_R[r] -= lengths_N[i]
-        count_R[r] += 1
-        segment_N[i] = count_R[r]
-    needed = -(-used_rows // config.rows)
-    num_microbatches = config.round_microbatches(needed)
-    return PackPlan(
-        lengths_N=lengths_N,
-        microbatch_N=global_row_N // config.rows,
-        row_N=global_row_N % config.rows,
-        offset_N=offset_N,
-        segment_N=segment_N,
-        shapes=((config.rows, row_length),) * num_microbatches,
-    )
+    tokens = max(int(lengths.sum()) for lengths in lengths_P)
+    num_minibatches = len(lengths_P)
+
+    def bound(row_length: int) -> int:  # no bucket of this row length has fewer slots
+        # a row holds at most row_length tokens and at most one sequence longer than half of it
+        rows = max(-(-tokens // row_length), *(int(np.sum(2 * lengths > row_length)) for lengths in lengths_P))
+        return num_minibatches * row_length * -(-rows // config.rows) * config.rows
+
+    best: tuple[tuple[int, int, int], int, list[_RowPlacement]] | None = None
+    for row_length in sorted(config.row_lengths(longest), key=bound):
+        if best is not None and bound(row_length) > best[0][0]:
+            break
+        placements = [first_fit_decreasing(lengths, row_length) for lengths in lengths_P]
+        rows_needed = max(placement.num_rows for placement in placements)
+        for rows in config.row_counts(row_length):
+            count = config.round_microbatches(-(-rows_needed // rows))
+            key = (num_minibatches * count * rows * row_length, count, row_length)
+            if best is None or key < best[0]:
+                best = (key, rows, placements)
+    (_, count, row_length), rows, placements = best
+    return [
+        PackPlan(
+            lengths_N=lengths,
+            microbatch_N=placement.row_N // rows,
+            row_N=placement.row_N % rows,
+            offset_N=placement.offset_N,
+            segment_N=placement.segment_N,
+            shapes=((rows, row_length),) * count,
+        )
+        for lengths, placement in zip(lengths_P, placements, strict=True)
+    ]
+
+
+def pack_sequences(lengths: Sequence[int] | np.ndarray, config: PackingConfig) -> PackPlan:
+    """One mini-batch packed into the bucket with the least padding (`plan_minibatches`)."""
+    return plan_minibatches([lengths], config)[0]
 
 
 def fixed_count_plan(

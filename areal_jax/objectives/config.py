@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.objectives.prox import ProxLogpMethod
 
 KLEstimator = Literal["k1", "k2", "k3"]
 NormLevel = Literal["group", "batch", "none"]
@@ -40,8 +41,27 @@ class PPOConfig(Config):
     num_staleness_buckets: int = option(
         4, ge=1, doc="K: off-policy statistics are broken down by staleness 0..K-1 and >=K"
     )
+    prox_logp_method: ProxLogpMethod = option(
+        "recompute",
+        doc="decoupled only: where log pi_prox comes from. recompute: a forward pass with the step's starting "
+        "weights (exact); rollout: the behaviour log-probs (exact when every token is on-policy, e.g. eta = 0); "
+        "loglinear: AReaL's version-weighted log-space interpolation between the behaviour and the update's "
+        "log-probs; rollout and loglinear skip the proximal forward pass. metrics: recompute, and log the "
+        "errors of the approximations (prox/*_abs_err)",
+    )
+
+    @property
+    def needs_prox_pass(self) -> bool:
+        """Whether a step runs the proximal forward pass (decoupled, with recompute or metrics)."""
+        return self.decoupled and self.prox_logp_method in ("recompute", "metrics")
 
     def validate(self) -> None:
+        if not self.decoupled and self.prox_logp_method != "recompute":
+            raise ConfigError(
+                "prox_logp_method",
+                f"is {self.prox_logp_method!r} but decoupled is false, so there is no proximal policy; "
+                "set it to 'recompute' or enable decoupled",
+            )
         if not self.decoupled and self.behav_weight_cap is not None:
             raise ConfigError(
                 "behav_weight_cap",

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from areal_jax.data.packing import PackingConfig, PackPlan, pack_sequences
+from areal_jax.data.packing import PackPlan, plan_minibatches
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.objectives.advantages import sequence_advantages
 from areal_jax.objectives.config import AdvantageConfig
@@ -60,12 +60,21 @@ class TrainBatch:
     stats: dict[str, float]
 
 
+def _host_device() -> jax.Device:
+    """The host CPU device when the CPU backend is up (it is unless JAX_PLATFORMS leaves it out), else the default."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
 def advantages_of(
     rewards_N: np.ndarray, group_ids_N: np.ndarray, config: AdvantageConfig
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Per-sequence advantages (`sequence_advantages`) for arbitrary integer group ids, and their statistics.
 
-    The sequence count is padded to a power of two (padding marked invalid) so few shapes get compiled.
+    Computed on the host CPU device (no accelerator round trip for a few hundred floats). The sequence count
+    is padded to a power of two (padding marked invalid) so few shapes get compiled.
     """
     n = len(rewards_N)
     padded = 1 << max(n - 1, 0).bit_length()
@@ -75,8 +84,9 @@ def advantages_of(
     group_P = np.zeros(padded, np.int32)
     group_P[:n] = group_index_N
     valid_P = np.arange(padded) < n
-    adv_P, stats = _sequence_advantages(reward_P, group_P, valid_P, config, padded)
-    return np.asarray(adv_P)[:n], {key: float(value) for key, value in jax.device_get(stats).items()}
+    with jax.default_device(_host_device()):
+        adv_P, stats = jax.device_get(_sequence_advantages(reward_P, group_P, valid_P, config, padded))
+    return np.asarray(adv_P)[:n], {key: float(value) for key, value in stats.items()}
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
@@ -100,35 +110,38 @@ def split_minibatches(lengths_N: np.ndarray, count: int) -> list[np.ndarray]:
     return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
 
 
-def token_budget_planner(config: PackingConfig) -> Planner:
-    """The default planner: first-fit-decreasing token-budget packing (`pack_sequences`)."""
-    return functools.partial(pack_sequences, config=config)
+_FIELDS = (  # PackedBatch field: dtype, padding value
+    (np.int32, 0),  # tokens
+    (np.int32, 0),  # targets
+    (np.int32, 0),  # segment_ids
+    (np.int32, 0),  # positions
+    (np.bool_, False),  # loss_mask
+    (np.float32, 0.0),  # logp_behav
+    (np.int32, -1),  # versions
+    (np.float32, 0.0),  # advantages
+)
 
 
-def _stack(arrays: Sequence[np.ndarray], shape: tuple[int, int, int], dtype: type, pad: object) -> np.ndarray:
-    """Micro-batch arrays (possibly of different [B, L]) padded with `pad` into one [M, B, L] array."""
-    out = np.full(shape, pad, dtype)
-    for m, array in enumerate(arrays):
-        out[m, : array.shape[0], : array.shape[1]] = array
-    return out
-
-
-def _pack_one(trajectories: Sequence[Trajectory], adv_N: np.ndarray, plan: PackPlan) -> list[list[np.ndarray]]:
-    """Per field of `PackedBatch`, the plan's micro-batch arrays (shifted as in the module docstring)."""
-    return [
-        plan.pack([t.token_ids[:-1] for t in trajectories]),
-        plan.pack([t.token_ids[1:] for t in trajectories]),
-        plan.segment_ids(),
-        plan.positions(),
-        plan.pack([np.asarray(t.loss_mask[1:], bool) for t in trajectories], pad_value=False),
-        plan.pack([t.behav_logprobs[1:] for t in trajectories]),
-        plan.pack([t.versions[1:] for t in trajectories], pad_value=-1),
-        plan.broadcast(adv_N),
-    ]
-
-
-_DTYPES = (np.int32, np.int32, np.int32, np.int32, np.bool_, np.float32, np.int32, np.float32)
-_PADS = (0, 0, 0, 0, False, 0.0, -1, 0.0)
+def _write_minibatch(
+    trajectories: Sequence[Trajectory], adv_N: np.ndarray, plan: PackPlan, shape: tuple[int, int, int]
+) -> PackedBatch:
+    """The plan's placement of `trajectories` written straight into `[M, B, L]` arrays of `shape` (one copy of
+    each token's data, shifted as in the module docstring); the rest is padding."""
+    out = [np.full(shape, pad, dtype) for dtype, pad in _FIELDS]
+    tokens, targets, segment_ids, positions, loss_mask, logp_behav, versions, advantages = out
+    ranks = np.arange(int(plan.lengths_N.max()), dtype=np.int32)
+    for k, t in enumerate(trajectories):
+        n, start = int(plan.lengths_N[k]), int(plan.offset_N[k])
+        at = (int(plan.microbatch_N[k]), int(plan.row_N[k]), slice(start, start + n))
+        tokens[at] = t.token_ids[:-1]
+        targets[at] = t.token_ids[1:]
+        segment_ids[at] = plan.segment_N[k]
+        positions[at] = ranks[:n]
+        loss_mask[at] = t.loss_mask[1:]
+        logp_behav[at] = t.behav_logprobs[1:]
+        versions[at] = t.versions[1:]
+        advantages[at] = adv_N[k]
+    return PackedBatch(*out)
 
 
 def build_batch(
@@ -136,9 +149,10 @@ def build_batch(
 ) -> TrainBatch:
     """Shift, score and pack `trajectories` into `config.ppo_minibatches` mini-batches of one [M, B, L] shape.
 
-    `planner` maps the packed lengths (T - 1 per trajectory) of one mini-batch to a `PackPlan`; the default
-    is token-budget packing with `config.packing`. Mini-batches with fewer micro-batches, and micro-batches
-    smaller than the largest, are padded (empty micro-batches / rows / columns) to the common shape.
+    By default all mini-batches are packed into the one bucket of `config.packing` with the least padding
+    (`plan_minibatches`). A `planner` instead maps the packed lengths (T - 1 per trajectory) of one mini-batch
+    to a `PackPlan` (e.g. the fixed-count baseline); mini-batches with fewer micro-batches, and micro-batches
+    smaller than the largest, are then padded (empty micro-batches / rows / columns) to the common shape.
     """
     if not trajectories:
         raise ValueError("got an empty list of trajectories; a training step needs at least one")
@@ -149,23 +163,23 @@ def build_batch(
             f"trajectory {t.prompt_id}/{t.sample_index} has {t.length} token(s); training needs at least 2 "
             "(a prompt token and a predicted token)"
         )
-    planner = planner or token_budget_planner(config.packing)
     rewards_N = np.asarray([t.reward for t in trajectories], np.float32)
     group_ids_N = np.asarray([t.group_id for t in trajectories], np.int64)
     adv_N, adv_stats = advantages_of(rewards_N, group_ids_N, config.advantage)
     lengths_N = np.asarray([t.length - 1 for t in trajectories], np.int64)
 
-    fields_P = []  # per mini-batch, per field, the micro-batch arrays
-    for members in split_minibatches(lengths_N, config.ppo_minibatches):
-        plan = planner(lengths_N[members])
-        fields_P.append(_pack_one([trajectories[i] for i in members], adv_N[members], plan))
-    m = max(len(fields[0]) for fields in fields_P)
-    b = max(array.shape[0] for fields in fields_P for array in fields[0])
-    length = max(array.shape[1] for fields in fields_P for array in fields[0])
-    minibatches = []
-    for fields in fields_P:
-        columns = zip(fields, _DTYPES, _PADS, strict=True)
-        minibatches.append(PackedBatch(*(_stack(arrays, (m, b, length), dtype, pad) for arrays, dtype, pad in columns)))
+    members_P = split_minibatches(lengths_N, config.ppo_minibatches)
+    if planner is None:
+        plans = plan_minibatches([lengths_N[members] for members in members_P], config.packing)
+    else:
+        plans = [planner(lengths_N[members]) for members in members_P]
+    m = max(plan.num_microbatches for plan in plans)
+    b = max(rows for plan in plans for rows, _ in plan.shapes)
+    length = max(row_length for plan in plans for _, row_length in plan.shapes)
+    minibatches = [
+        _write_minibatch([trajectories[i] for i in members], adv_N[members], plan, (m, b, length))
+        for members, plan in zip(members_P, plans, strict=True)
+    ]
 
     num_tokens = int(lengths_N.sum())
     capacity = len(minibatches) * m * b * length

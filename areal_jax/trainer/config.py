@@ -60,9 +60,9 @@ class OptimizerConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig(Config):
-    """The trainer: one step = advantages, the proximal (and, with a KL coefficient > 0, the reference)
-    log-prob pass, `ppo_minibatches` optimizer updates. A KL coefficient > 0 needs the `Trainer` to be given
-    the reference policy's params."""
+    """The trainer: one step = advantages, the proximal log-prob pass (unless `ppo.prox_logp_method`
+    approximates it) and, with a KL coefficient > 0, the reference one, then `ppo_minibatches` optimizer
+    updates. A KL coefficient > 0 needs the `Trainer` to be given the reference policy's params."""
 
     optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="AdamW, clipping and lr schedule")
     ppo_minibatches: int = option(
@@ -86,4 +86,6 @@ class TrainerConfig(Config):
     )
     ppo: PPOConfig = option(default_factory=PPOConfig, doc="the policy loss")
     advantage: AdvantageConfig = option(default_factory=AdvantageConfig, doc="outcome-reward advantages")
-    packing: PackingConfig = option(default_factory=PackingConfig, doc="token-budget micro-batches")
+    packing: PackingConfig = option(
+        default_factory=PackingConfig, doc="micro-batch buckets: each step the least-padding one under the token budget"
+    )

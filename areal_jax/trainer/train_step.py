@@ -33,6 +33,7 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.objectives.config import KLEstimator, PPOConfig
 from areal_jax.objectives.kl import kl_shaped_advantages
 from areal_jax.objectives.ppo import ppo_loss
+from areal_jax.objectives.prox import APPROXIMATIONS, approximate_prox_logp, prox_approximation_stats
 from areal_jax.objectives.stats import count_loss_tokens, merge_stats
 from areal_jax.sharding import logical_to_spec, state_shardings
 from areal_jax.trainer.batching import PackedBatch
@@ -170,6 +171,13 @@ def _microbatch_loss(
     version: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, mb)
+    method, prox_stats = program.ppo.prox_logp_method, {}
+    if program.ppo.decoupled and method in APPROXIMATIONS:
+        logp_prox_BxL = approximate_prox_logp(method, logp_BxL, mb.logp_behav, mb.versions, version)
+    elif method == "metrics":
+        prox_stats = prox_approximation_stats(
+            logp_prox_BxL, logp_BxL, mb.logp_behav, mb.versions, version, mb.loss_mask.astype(bool)
+        )
     adv_BxL, kl_reward_stats = mb.advantages, {}
     if program.kl_reward_coef > 0:
         # the penalised policy is the one the update starts from: the proximal (decoupled) or the behaviour one
@@ -196,7 +204,7 @@ def _microbatch_loss(
         token_version_BxL=mb.versions,
         trainer_version=version,
     )
-    return loss, stats | kl_reward_stats
+    return loss, stats | kl_reward_stats | prox_stats
 
 
 def _gradients_fn(
@@ -375,18 +383,27 @@ class TrainStep:
     ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
         """One optimizer update on one mini-batch; `params` and `opt_state` are donated (invalid afterwards).
 
-        `logp_prox` is required for decoupled PPO and ignored (pass None) otherwise; `logp_ref` (the
+        `logp_prox` is required when `needs_prox_pass` and ignored (pass None) otherwise; `logp_ref` (the
         reference policy's `logprobs`) is required when `uses_reference` and ignored otherwise; `version` is
         the trainer's policy version, against which token staleness is measured.
         """
         prox, ref = self._prox_arg(logp_prox), self._ref_arg(logp_ref)
         return self._update(self.program, params, opt_state, batch, prox, ref, jnp.int32(version))
 
+    @property
+    def needs_prox_pass(self) -> bool:
+        """Whether updates need the proximal log-probs (`logprobs(params, batch)` at the step's start): decoupled
+        PPO with `ppo.prox_logp_method` recompute or metrics; rollout and loglinear approximate them in the update."""
+        return self.config.ppo.needs_prox_pass
+
     def _prox_arg(self, logp_prox: jax.Array | None) -> jax.Array | None:
-        if not self.config.ppo.decoupled:
+        if not self.needs_prox_pass:
             return None
         if logp_prox is None:
-            raise ValueError("logp_prox is None but ppo.decoupled is true; pass logprobs(params, batch)")
+            raise ValueError(
+                f"logp_prox is None but ppo.decoupled is true with prox_logp_method "
+                f"{self.config.ppo.prox_logp_method!r}; pass logprobs(params, batch)"
+            )
         return logp_prox
 
     def _ref_arg(self, logp_ref: jax.Array | None) -> jax.Array | None:

@@ -1,8 +1,9 @@
 """The training loop: batches of trajectories in, PPO updates, versioned weights out to a publisher.
 
 One step: pack the trajectories (shift, group advantages, `ppo_minibatches` mini-batches), run the
-proximal log-prob pass on every mini-batch with the weights at the start of the step (and the reference
-pass with the frozen reference params when a KL coefficient is > 0), then one optimizer update per
+proximal log-prob pass on every mini-batch with the weights at the start of the step (unless
+`ppo.prox_logp_method` approximates it inside the update: rollout, loglinear), the reference pass with the
+frozen reference params when a KL coefficient is > 0, then one optimizer update per
 mini-batch, then bump the policy version and hand the new params to `publish(params, version)`.
 The version counts published steps; a step whose updates were all skipped (non-finite loss or gradient)
 still publishes its unchanged weights under a new version, so admission control on the rollout side
@@ -63,7 +64,7 @@ class Trainer:
     `publish(params, version)` is called after every step with the new params (an `nnx.State` on the
     trainer mesh). Those arrays are donated to the next update, so a publisher that keeps them beyond
     its call must copy them (e.g. `jax.device_put` onto its own shardings) before returning. `planner`
-    replaces token-budget packing (e.g. the fixed-count baseline in the benchmark).
+    replaces the bucketed packing (e.g. the fixed-count baseline in the benchmark).
 
     `reference_params` (an `nnx.State` of the same model, e.g. a copy of the initial params) is the frozen
     reference policy of the KL terms; it is required when `ppo.kl_coef` or `advantage.kl_reward_coef` is
@@ -130,7 +131,7 @@ class Trainer:
                 return [None] * len(minibatches)
             return [self.train_step.logprobs(params, mb) for mb in minibatches]
 
-        prox = logprobs(self.params if self.config.ppo.decoupled else None)
+        prox = logprobs(self.params if self.train_step.needs_prox_pass else None)
         ref = logprobs(self.reference_params)
         stats_P = []
         for mb, logp_prox, logp_ref in zip(minibatches, prox, ref, strict=True):
