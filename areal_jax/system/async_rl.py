@@ -538,6 +538,8 @@ class _TrainingRun:
     def _monitor_logprobs(self, stats: dict[str, float]) -> None:
         """Sampler vs trainer log-probs on the tokens the trainer's current version sampled (staleness 0):
         the same weights on both sides, so any gap is numerics (dtype, kernels, masking)."""
+        if not self.cfg.trainer.ppo.needs_prox_pass:
+            return  # no trainer log-prob pass: the proximal log-probs are the sampler's own, nothing to compare
         tokens = stats.get("staleness/0/n_tokens", 0.0)
         if not tokens:
             return  # every token came from an older version (eta > 0 at steady state)
