@@ -63,9 +63,9 @@ class TrainBatch:
 def _host_device() -> jax.Device:
     """The host CPU device when the CPU backend is up (it is unless JAX_PLATFORMS leaves it out), else the default."""
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:
-        return jax.devices()[0]
+        return jax.local_devices()[0]
 
 
 def advantages_of(

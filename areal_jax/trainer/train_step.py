@@ -353,7 +353,13 @@ class TrainStep:
                 f"mini-batch has {rows} rows, not divisible by the data*fsdp shards ({self.batch_shards}) "
                 f"of mesh {dict(self.mesh.shape)}; choose packing.rows as a multiple"
             )
-        return jax.device_put(batch, self.batch_sharding)
+        if self.batch_sharding.is_fully_addressable:
+            return jax.device_put(batch, self.batch_sharding)
+        # Several trainer processes, each holding the whole (identical) host batch: every process places
+        # the rows of its own devices (`device_put` would first all-gather the batch to check it is equal).
+        return jax.tree.map(
+            lambda x: jax.make_array_from_callback(x.shape, self.batch_sharding, lambda index: x[index]), batch
+        )
 
     def logprobs(self, params: nnx.State, batch: PackedBatch) -> jax.Array:
         """log pi(target) [M, B, L] of every position under `params`, at the trainer's temperature: the
