@@ -117,6 +117,19 @@ def heldout_scores(model: Decoder, examples: Examples) -> dict[str, float]:
     return {"greedy_exact": float(np.mean(greedy)), "sampled_exact": float(np.mean(sampled))}
 
 
+@nnx.jit
+def _sft_step(model: Decoder, optimizer: nnx.Optimizer, tokens, targets, mask, segment_ids, positions) -> jax.Array:
+    """One AdamW step on the mean cross-entropy of the answer tokens; returns the loss."""
+
+    def loss_fn(model: Decoder) -> jax.Array:
+        logp = _answer_logprobs(model, tokens, targets, mask, segment_ids, positions)
+        return -logp.sum() / jnp.maximum(mask.sum(), 1.0)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
 def train_warm_start(model: Decoder, config: WarmStartConfig, examples: Examples, seed: int) -> list[float]:
     """`config.steps` AdamW steps of mean cross-entropy over the answer tokens, on batches drawn with `seed`;
     `model` is updated in place. Returns the loss of each step."""
@@ -124,21 +137,10 @@ def train_warm_start(model: Decoder, config: WarmStartConfig, examples: Examples
         0.0, config.lr, config.warmup_steps, max(config.steps, config.warmup_steps + 1), config.lr / 10
     )
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.0), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model: Decoder, optimizer: nnx.Optimizer, tokens, targets, mask, segment_ids, positions) -> jax.Array:
-        def loss_fn(model: Decoder) -> jax.Array:
-            logp = _answer_logprobs(model, tokens, targets, mask, segment_ids, positions)
-            return -logp.sum() / jnp.maximum(mask.sum(), 1.0)
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
     rng = np.random.default_rng([seed, 0x5F7])
     losses = []
     for _ in range(config.steps):
-        losses.append(step(model, optimizer, *examples.rows(rng.integers(0, len(examples), config.batch_size))))
+        losses.append(_sft_step(model, optimizer, *examples.rows(rng.integers(0, len(examples), config.batch_size))))
     return [float(loss) for loss in losses]
 
 
