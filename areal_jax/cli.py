@@ -1,7 +1,7 @@
-"""The `areal-jax` command: `train` (asynchronous RL, the main job), `eval` (pass@1/avg@k/pass@k of a
-checkpoint on datasets), `demo` (generate and score with a fresh model), `config` (print or describe a
-config), `convert` (re-export an HF checkpoint), `profile-summary` (rank the XLA operations of a trace
-taken with `profile.start_step=N`).
+"""The `areal-jax` command: `train` (asynchronous RL, the main job), `sft` (the supervised warm start of a
+config, cached in its run directory for `train`), `eval` (pass@1/avg@k/pass@k of a checkpoint on datasets),
+`demo` (generate and score with a fresh model), `config` (print or describe a config), `convert` (re-export
+an HF checkpoint), `profile-summary` (rank the XLA operations of a trace taken with `profile.start_step=N`).
 
 A user mistake (a bad config, a missing file, a refused run directory) ends in one line on stderr and exit
 status 2 (`--debug`: its traceback); `train` stopped by SIGTERM/SIGINT exits with 75 after its checkpoint."""
@@ -152,6 +152,25 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from areal_jax.compilation_cache import enable_compilation_cache
+    from areal_jax.config import load_experiment
+    from areal_jax.sft import run_warm_start
+    from areal_jax.system.assembly import build_tokenizer
+    from areal_jax.system.run_dir import check_run_location
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    if not cfg.warm_start.steps:
+        raise ConfigError("warm_start.steps", "is 0: the config has no warm start; set warm_start.steps=N")
+    check_run_location(cfg)
+    enable_compilation_cache(cfg.compilation_cache_dir)
+    summary = run_warm_start(cfg, build_tokenizer(cfg))
+    summary.pop("settings")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
@@ -241,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--overwrite", action="store_true", help="delete an earlier run and start over")
     local.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
     local.set_defaults(func=_cmd_launch)
+    sft = sub.add_parser(
+        "sft",
+        parents=[debug],
+        help="train the config's supervised warm start (warm_start.steps) into <run>/warm_start; `train` uses it",
+    )
+    sft.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    sft.set_defaults(func=_cmd_sft)
     evaluate = sub.add_parser("eval", parents=[debug], help="evaluate a checkpoint (pass@1, avg@k, pass@k) on datasets")
     evaluate.add_argument(
         "--checkpoint",

@@ -14,6 +14,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
 from areal_jax.rollout.rewards import RewardConfig
+from areal_jax.sft import WarmStartConfig
 from areal_jax.sharding import MeshConfig
 from areal_jax.system.cluster import ClusterConfig, DistributedConfig
 from areal_jax.system.reporting import ReportConfig
@@ -48,6 +49,10 @@ class ExperimentConfig(Config):
     train_steps: int = option(20, ge=1, doc="trainer steps of `train` (fewer when dataset.epochs run out first)")
     dataset: TaskDataConfig = option(default_factory=TaskDataConfig, doc="the prompts and their order")
     reward: RewardConfig = option(default_factory=RewardConfig, doc="how a completion is scored")
+    warm_start: WarmStartConfig = option(
+        default_factory=WarmStartConfig,
+        doc="a supervised fit of the random init to the task's answers before RL, cached in <run>/warm_start",
+    )
     trainer: TrainerConfig = option(default_factory=TrainerConfig, doc="the PPO trainer")
     rollout: RolloutConfig = option(default_factory=RolloutConfig, doc="the rollout side")
     pipeline: PipelineConfig = option(

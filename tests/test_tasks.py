@@ -12,8 +12,16 @@ import pytest
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError
 from areal_jax.data.datasets import PromptRecord
-from areal_jax.data.tasks import TaskStream, arithmetic_records, drop_long_prompts, split_heldout
+from areal_jax.data.tasks import (
+    TaskStream,
+    arithmetic_records,
+    chain_sum_records,
+    drop_long_prompts,
+    load_task_records,
+    split_heldout,
+)
 from areal_jax.models.tokenizer import CharTokenizer
+from areal_jax.rewards.synthetic import ChainSumTaskConfig, chain_sum_reward
 from areal_jax.rollout.environments import CodeFeedbackEnvironment, MathRetryEnvironment
 from areal_jax.rollout.rewards import Reward, RewardConfig
 from areal_jax.system.assembly import build_prompts, build_workflow, check_reward_fields, load_policy
@@ -93,6 +101,8 @@ def test_prompts_of_a_run_with_system_prompt_and_heldout():
     cfg = load_experiment(
         "configs/train_cpu.yaml",
         [
+            "dataset.kind=arithmetic",
+            "reward.kind=arithmetic",
             "dataset.heldout=16",
             "dataset.arithmetic_problems=64",
             "dataset.arithmetic.max_operand=20",
@@ -112,7 +122,7 @@ def test_prompts_of_a_run_with_system_prompt_and_heldout():
 
 
 def test_policy_vocabulary_is_masked_to_the_tokenizer_and_a_small_one_refused():
-    cfg = load_experiment("configs/train_cpu.yaml", ["model.vocab_size=64"])
+    cfg = load_experiment("configs/train_cpu.yaml", ["model.vocab_size=64", "warm_start.steps=0"])
     model = load_policy(cfg, None, CharTokenizer())
     assert model.config.vocab_size == 64 and model.config.vocab_limit == 27
     assert (
@@ -124,6 +134,61 @@ def test_policy_vocabulary_is_masked_to_the_tokenizer_and_a_small_one_refused():
 
 
 def test_arithmetic_records_follow_the_task_config():
-    cfg = load_experiment("configs/train_cpu.yaml")
+    cfg = load_experiment("configs/train_cpu.yaml", ["dataset.arithmetic.operators=+"])
     records = arithmetic_records(cfg.dataset.arithmetic, 20, seed=0)
     assert all("+" in r.prompt and int(r.answer) == eval(r.prompt) for r in records)  # digits and + only
+
+
+def _cumulative(prompt: str) -> str:
+    """The worked chain by an independent route: NumPy's cumulative sum of the terms."""
+    return ",".join(str(v) for v in np.cumsum([int(t) for t in prompt.split("+")])[1:])
+
+
+def test_chain_sums_are_seeded_distinct_and_their_worked_answers_right():
+    config = ChainSumTaskConfig(min_terms=2, max_terms=5, problems=3000)
+    records = chain_sum_records(config, seed=7)
+    assert [(r.prompt, r.answer) for r in records] == [(r.prompt, r.answer) for r in chain_sum_records(config, 7)]
+    assert [r.prompt for r in chain_sum_records(config, 8)] != [r.prompt for r in records]
+    assert len({r.prompt for r in records}) == 3000
+    assert all(r.answer == _cumulative(r.prompt) for r in records)
+    terms = {r.metadata["terms"] for r in records}
+    assert terms == {2, 3, 4, 5} and all(r.metadata["terms"] == r.prompt.count("+") + 1 for r in records)
+    lengths = [len(r.answer) for r in records]
+    assert min(lengths) == 1 and max(lengths) >= 10  # "3+4" -> "7"; 5 terms -> four partial sums
+
+
+def test_chain_sums_difficulty_knob_sets_the_chain_lengths():
+    easy = chain_sum_records(ChainSumTaskConfig(min_terms=2, max_terms=3, problems=500), seed=0)
+    hard = chain_sum_records(ChainSumTaskConfig(min_terms=6, max_terms=8, max_operand=20, problems=500), seed=0)
+    assert {r.answer.count(",") + 1 for r in easy} == {1, 2}
+    assert {r.answer.count(",") + 1 for r in hard} == {5, 6, 7}
+    assert all(int(t) <= 20 for r in hard for t in r.prompt.split("+"))
+    assert max(len(r.answer) for r in hard) > 3 * max(len(r.answer) for r in easy)
+    with pytest.raises(ConfigError, match=r"problems: value 200 exceeds the 150 distinct problems"):
+        ChainSumTaskConfig(min_terms=2, max_terms=3, max_operand=4, problems=200)
+    with pytest.raises(ConfigError, match="max_terms"):
+        ChainSumTaskConfig(min_terms=4, max_terms=3)
+
+
+def test_chain_sum_reward_checks_every_partial_sum():
+    assert chain_sum_reward("12,15,23", "12,15,23") == 1.0
+    assert chain_sum_reward(" 12, 15,23 ", "12,15,23", format_bonus=0.1) == 1.0
+    assert chain_sum_reward("12,16,23", "12,15,23", format_bonus=0.1) == 0.1  # a wrong step, right final sum
+    assert chain_sum_reward("12,15", "12,15,23", format_bonus=0.1) == 0.0  # a step missing
+    assert chain_sum_reward("23", "12,15,23", format_bonus=0.1) == 0.0  # only the result
+    assert chain_sum_reward("12,,23", "12,15,23", format_bonus=0.1) == 0.0
+    task = PromptRecord("s", "7+5+3", "12,15", None, "chain_sums", {})
+    with Reward(RewardConfig(kind="chain_sums", format_bonus=0.1)) as reward:
+        assert reward.fn("12,15", task) == (1.0, {"correct": 1.0, "format": 1.0})
+        assert reward.fn("12,14", task) == (0.1, {"correct": 0.0, "format": 1.0})
+        assert reward.fn("nonsense", task) == (0.0, {"correct": 0.0, "format": 0.0})
+
+
+def test_default_task_heldout_is_disjoint_from_training_problems():
+    cfg = load_experiment("configs/chain_sums_cpu.yaml", ["dataset.chain_sums.problems=2000", "dataset.heldout=100"])
+    assert cfg.dataset.kind == "chain_sums" and cfg.reward.kind == "chain_sums"
+    records = load_task_records(cfg.dataset, cfg.seed)
+    with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, CharTokenizer(), reward) as workflow:
+        train, heldout = build_prompts(cfg, workflow)
+    assert len(train) + len(heldout) == len(records) == 2000 and len(heldout) == 100
+    assert {r.prompt for r in train}.isdisjoint(r.prompt for r in heldout)  # no held-out problem is trained

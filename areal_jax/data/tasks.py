@@ -1,5 +1,5 @@
-"""The prompts of a run: dataset files or the embedded arithmetic task, split into a training stream and a
-held-out set.
+"""The prompts of a run: dataset files or an embedded synthetic task (`dataset.kind`: one-step arithmetic or
+running sums with a worked answer), split into a training stream and a held-out set.
 
 The training stream is a Grain `MapDataset` over the records, shuffled with the run seed (a different
 order every epoch) and repeated `epochs` times. Group g always gets element g of it, so the stream's read
@@ -13,13 +13,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
 
 import grain
 import numpy as np
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.datasets import DatasetConfig, PromptRecord, load_prompts
-from areal_jax.rewards.synthetic import ArithmeticTaskConfig, make_problems
+from areal_jax.rewards.synthetic import (
+    ArithmeticTaskConfig,
+    ChainSumTaskConfig,
+    make_chain_problems,
+    make_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +37,20 @@ class TaskDataConfig(Config):
     """Where a run's prompts come from and in which order they are used."""
 
     files: tuple[DatasetConfig, ...] = option(
-        (), doc="prompt files (jsonl/parquet, local or gs://), read in order; empty = the embedded arithmetic task"
+        (), doc="prompt files (jsonl/parquet, local or gs://), read in order; empty = the embedded task `kind`"
+    )
+    kind: Literal["arithmetic", "chain_sums"] = option(
+        "arithmetic",
+        doc="the embedded task when `files` is empty: 'arithmetic' (one operation, answer the result) or "
+        "'chain_sums' (running sums with a worked answer; pair with reward.kind=chain_sums)",
     )
     arithmetic: ArithmeticTaskConfig = option(
-        default_factory=ArithmeticTaskConfig, doc="the embedded task (used when `files` is empty)"
+        default_factory=ArithmeticTaskConfig, doc="the embedded arithmetic task (kind 'arithmetic')"
     )
-    arithmetic_problems: int = option(4096, ge=1, doc="problems drawn for the embedded task")
+    arithmetic_problems: int = option(4096, ge=1, doc="problems drawn for the embedded arithmetic task")
+    chain_sums: ChainSumTaskConfig = option(
+        default_factory=ChainSumTaskConfig, doc="the embedded running-sums task (kind 'chain_sums')"
+    )
     shuffle: bool = option(True, doc="shuffle with the run seed (each epoch in a different order)")
     epochs: int | None = option(None, ge=1, doc="passes over the training prompts; null = repeat until the run ends")
     heldout: int = option(0, ge=0, doc="prompts set aside (drawn with the run seed) for evaluation, never trained")
@@ -60,10 +74,23 @@ def arithmetic_records(config: ArithmeticTaskConfig, count: int, seed: int) -> l
     ]
 
 
+def chain_sum_records(config: ChainSumTaskConfig, seed: int) -> list[PromptRecord]:
+    """The running-sums problems as `PromptRecord`s (id "sums-<n>", answer the worked chain, metadata the
+    number of terms)."""
+    problems = make_chain_problems(config, seed)
+    terms = [{"terms": 1 + p.question.count("+")} for p in problems]
+    return [
+        PromptRecord(f"sums-{p.prompt_id}", p.question, p.answer, None, "chain_sums", t)
+        for p, t in zip(problems, terms, strict=True)
+    ]
+
+
 def load_task_records(config: TaskDataConfig, seed: int) -> list[PromptRecord]:
     """Every record of the configured files in order (malformed rows refused or skipped per file), or the
-    arithmetic problems. Raises ValueError when nothing is left."""
+    embedded task's problems. Raises ValueError when nothing is left."""
     if not config.files:
+        if config.kind == "chain_sums":
+            return chain_sum_records(config.chain_sums, seed)
         return arithmetic_records(config.arithmetic, config.arithmetic_problems, seed)
     records: list[PromptRecord] = []
     for dataset in config.files:

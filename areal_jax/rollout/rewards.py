@@ -1,5 +1,5 @@
-"""The reward of a run, chosen by config: the embedded arithmetic check, math-verify, the code sandbox, or a
-user function named `package.module:function`.
+"""The reward of a run, chosen by config: the embedded arithmetic check, the running-sums check, math-verify,
+the code sandbox, or a user function named `package.module:function`.
 
 A user reward function has the signature every workflow calls:
 
@@ -16,10 +16,12 @@ import dataclasses
 import importlib
 import re
 from collections.abc import Callable
+from typing import Any
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.rewards.code import CodeRewardConfig
 from areal_jax.rewards.math import MathRewardConfig
+from areal_jax.rewards.synthetic import chain_sum_reward
 from areal_jax.rollout.environments import (
     DEFAULT_RETRY_MESSAGE,
     ArithmeticRewardFn,
@@ -31,7 +33,7 @@ from areal_jax.rollout.environments import (
     RewardFn,
 )
 
-BUILTIN_REWARDS = ("arithmetic", "math", "code")
+BUILTIN_REWARDS = ("arithmetic", "chain_sums", "math", "code")
 _USER_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -41,10 +43,17 @@ class RewardConfig(Config):
 
     kind: str = option(
         "arithmetic",
-        doc="'arithmetic' (the embedded task), 'math' (math-verify on `answer`), 'code' (sandboxed `tests`), "
-        "or a user function 'package.module:function' called as fn(completion_text, task) -> (reward, components)",
+        doc="'arithmetic' (the embedded task), 'chain_sums' (the running-sums task: the whole worked chain must "
+        "match), 'math' (math-verify on `answer`), 'code' (sandboxed `tests`), or a user function "
+        "'package.module:function' called as fn(completion_text, task) -> (reward, components)",
     )
-    format_bonus: float = option(0.0, ge=0, lt=1, doc="arithmetic: reward of a wrong answer that is still an integer")
+    format_bonus: float = option(
+        0.0,
+        ge=0,
+        lt=1,
+        doc="arithmetic: reward of a wrong answer that is still an integer; chain_sums: of a wrong chain with "
+        "the right number of partial sums",
+    )
     math: MathRewardConfig = option(default_factory=MathRewardConfig, doc="math-verify workers and limits")
     code: CodeRewardConfig = option(default_factory=CodeRewardConfig, doc="the code sandbox's limits")
     retry_message: str = option(DEFAULT_RETRY_MESSAGE, doc="multi-turn (all but code): the reply to a wrong answer")
@@ -60,7 +69,24 @@ class RewardConfig(Config):
     @property
     def needs(self) -> str:
         """The task field the reward reads ('answer' or 'tests'; '' for a user function)."""
-        return {"code": "tests", "math": "answer", "arithmetic": "answer"}.get(self.kind, "")
+        return {"code": "tests", "math": "answer", "arithmetic": "answer", "chain_sums": "answer"}.get(self.kind, "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSumRewardFn:
+    """The running-sums reward: 1 for the exact worked chain, `format_bonus` for a wrong chain of the right
+    length; components `correct` (the exact chain) and `format` (a chain of the right length)."""
+
+    format_bonus: float = 0.0
+
+    def __call__(self, completion: str, task: Any) -> tuple[float, dict[str, float]]:
+        answer = task.answer
+        if not isinstance(answer, str):
+            raise ValueError(f"task {getattr(task, 'id', task)!r} has answer {answer!r}; chain_sums needs a string")
+        return chain_sum_reward(completion, answer, self.format_bonus), {
+            "correct": chain_sum_reward(completion, answer),
+            "format": chain_sum_reward(completion, answer, format_bonus=1.0),
+        }
 
 
 def import_reward_function(spec: str) -> RewardFn:
@@ -87,6 +113,8 @@ class Reward:
         self._code_verifier = None
         if config.kind == "arithmetic":
             self.fn = ArithmeticRewardFn(config.format_bonus)
+        elif config.kind == "chain_sums":
+            self.fn = ChainSumRewardFn(config.format_bonus)
         elif config.kind == "math":
             from areal_jax.rewards.math import MathVerifier
 

@@ -94,15 +94,26 @@ def _hf_config(source: str) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
+def random_policy(cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer) -> Decoder:
+    """A random init of `cfg.model` with `cfg.seed` on `mesh`, its padded vocabulary masked to the tokenizer's."""
+    limit = _vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size")
+    return create_decoder(cfg.model.replace(vocab_limit=limit), cfg.seed, mesh)
+
+
 def load_policy(
     cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer, checkpoint: str | None = None
 ) -> Decoder:
-    """The starting policy: the HF checkpoint `checkpoint` (default `cfg.hf_checkpoint`) or a random init of
-    `cfg.model` with `cfg.seed`, placed on `mesh`, its padded vocabulary masked to the tokenizer's."""
+    """The starting policy: the HF checkpoint `checkpoint` (default `cfg.hf_checkpoint`), else the run's
+    supervised warm start when `warm_start.steps` > 0 (cached in the run directory, trained on first use;
+    see `areal_jax.sft`), else a random init of `cfg.model` with `cfg.seed`; placed on `mesh`, its padded
+    vocabulary masked to the tokenizer's."""
     source = checkpoint if checkpoint is not None else cfg.hf_checkpoint
+    if source is None and cfg.warm_start.steps:
+        from areal_jax.sft import warm_start_checkpoint  # it assembles its prompts from this module
+
+        source = str(warm_start_checkpoint(cfg, tokenizer))
     if source is None:
-        limit = _vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size")
-        return create_decoder(cfg.model.replace(vocab_limit=limit), cfg.seed, mesh)
+        return random_policy(cfg, mesh, tokenizer)
     limit = _vocab_limit(int(_hf_config(source)["vocab_size"]), tokenizer, "hf_checkpoint")
     _, model = load_hf_checkpoint(source, mesh=mesh, vocab_limit=limit, **hf_load_options(cfg.model))
     return model

@@ -22,6 +22,7 @@ from typing import Any
 from areal_jax import __version__
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import ConfigError, to_dict, to_yaml
+from areal_jax.sft import WARM_START_DIR
 from areal_jax.system.reporting import OUTPUTS as REPORT_OUTPUTS
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,14 @@ RUN_ENTRIES = (
     "eval",
     "hf_final",
     "profile",
+    WARM_START_DIR,
     *REPORT_OUTPUTS,
     CONFIG_FILE,
     MARKER,
 )
-# The entries that mean an earlier run got going (its config and marker alone are a run that never started).
-_EARLIER_RUN = tuple(name for name in RUN_ENTRIES if name not in (CONFIG_FILE, MARKER))
+# The entries that mean an earlier run got going (its config and marker alone are a run that never started;
+# a warm start alone is what `areal-jax sft` leaves for the run to use).
+_EARLIER_RUN = tuple(name for name in RUN_ENTRIES if name not in (CONFIG_FILE, MARKER, WARM_START_DIR))
 
 # The config keys (fnmatch patterns over dotted keys) whose value may differ between a run's config.yaml
 # and the config of `--resume`. Everything else fixes the model, the tokenizer, the data order or the

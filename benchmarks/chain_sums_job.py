@@ -1,0 +1,72 @@
+"""The running-sums job as a user runs it (`areal-jax train --overwrite configs/chain_sums_cpu.yaml`), timed
+from the shell, then the held-out accuracy of the policy at each stage read from the run directory.
+
+The job (`configs/chain_sums_cpu.yaml`, issue 12's candidate for the main job) trains a supervised warm
+start on the running-sums task's worked answers (`warm_start`, cached in `<run>/warm_start`), then runs
+asynchronous RL from it. Three accuracies on the held-out prompts, which neither stage trains on:
+
+- `accuracy_random_init` and `accuracy_warm_start_teacher_forced`: from `warm_start/summary.json`, the
+  probability of sampling the exact worked answer (teacher-forced, the same quantity as sampled pass@1),
+  before and after the warm start;
+- `accuracy_before`: sampled pass@1 of the RL starting policy (= the warm start), evaluated by the run
+  before its first step (`eval_before/pass@1`);
+- `accuracy_after`: sampled pass@1 after RL (`eval/pass@1` of the last evaluation).
+
+The gain that issue 12 asks for (>= 0.4, final >= 0.8, wall <= 300 s on 2 cores) is `accuracy_after -
+accuracy_before`: what RL adds to its starting policy. `--quick` stops after 100 steps.
+
+Prints `name: value unit` lines; the last is `ratio heldout_accuracy` (the final held-out pass@1; a ratio
+to 1.0, the all-correct policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_NAME = "async-chain-sums"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="100 steps instead of the job's 300")
+    args = parser.parse_args()
+    output_dir = tempfile.mkdtemp(prefix="main-job-bench-")
+    command = [sys.executable, "-m", "areal_jax.cli", "train", "--overwrite", "configs/chain_sums_cpu.yaml"]
+    command += [f"output_dir={output_dir}", "report.live=never"]
+    if args.quick:
+        command += ["train_steps=100", "eval.every_steps=50"]
+    started = time.perf_counter()
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    run_dir = Path(output_dir) / RUN_NAME
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    warm = json.loads((run_dir / "warm_start" / "summary.json").read_text())
+    before = metrics[0]["eval_before/pass@1"]
+    after = next(m["eval/pass@1"] for m in reversed(metrics) if "eval/pass@1" in m)
+    stale = [m["rollout/staleness_mean"] for m in metrics]
+    print(f"steps: {len(metrics)} steps")
+    print(f"wall_seconds: {wall:.1f} s")
+    print(f"warm_start_seconds: {warm['seconds']:.1f} s")
+    print(f"accuracy_random_init: {warm['heldout_before']['sampled_exact']:.3f}")
+    print(f"accuracy_warm_start_teacher_forced: {warm['heldout_after']['sampled_exact']:.3f}")
+    print(f"greedy_accuracy_warm_start_teacher_forced: {warm['heldout_after']['greedy_exact']:.3f}")
+    print(f"accuracy_before: {before:.3f}")
+    print(f"accuracy_after: {after:.3f}")
+    print(f"accuracy_gain: {after - before:.3f}")
+    print(f"correct_rate_last_20_steps: {sum(m['rollout/correct_mean'] for m in metrics[-20:]) / 20:.3f}")
+    print(f"staleness_mean: {sum(stale) / len(stale):.2f} versions")
+    print(f"staleness_min_of_step_means: {min(stale):.2f} versions")
+    print(f"staleness_max: {max(m['rollout/staleness_max'] for m in metrics):.0f} versions")
+    print(f"interruptions: {metrics[-1]['generator/interruptions']:.0f} interruptions")
+    print(f"ratio heldout_accuracy: {after:.2f}")
+
+
+if __name__ == "__main__":
+    main()
