@@ -57,7 +57,7 @@ from areal_jax.system.assembly import (
     export_policy,
     load_policy,
 )
-from areal_jax.system.reporting import RunReporter
+from areal_jax.system.reporting import QUEUE, RunReporter
 from areal_jax.system.run_dir import prepare_run_dir
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
@@ -290,6 +290,7 @@ class InProcessRollouts:
     def step_stats(self) -> dict[str, float]:
         assert self.generator is not None and self.controller is not None
         stats = {f"generator/{k}": float(v) for k, v in dataclasses.asdict(self.generator.stats).items()}
+        stats[QUEUE] = float(self.generator.num_in_flight())  # requests submitted and not yet answered
         stats["rollout/failed_total"] = float(self.controller.stats.failed)
         return stats
 

@@ -272,6 +272,7 @@ class _Serving:
                 "accepted": self.controller.stats.accepted,
                 "failed": self.controller.stats.failed,
                 "next_group_id": self.controller.next_group_id,
+                "queue": self.generator.num_in_flight(),
                 "pid": os.getpid(),
             },
         )

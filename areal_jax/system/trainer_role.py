@@ -27,6 +27,7 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.sharding import make_mesh
 from areal_jax.system.async_rl import RunSummary, train
 from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses
+from areal_jax.system.reporting import QUEUE
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import checkpoint_location
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher
@@ -92,6 +93,7 @@ class RemoteRollouts:
         statuses = self.control.statuses()
         stats = {f"generator/{k}": v for k, v in sum_statuses(statuses, _GENERATOR_COUNTERS).items()}
         stats["rollout/failed_total"] = sum_statuses(statuses, ("failed",))["failed"]
+        stats[QUEUE] = sum_statuses(statuses, ("queue",))["queue"]
         stats["rollout/servers_reporting"] = float(len(statuses))
         stats["weights/publish_blocking_seconds"] = self.publish_seconds
         lags = [s["weights_lag_seconds"] for s in statuses if "weights_lag_seconds" in s]
