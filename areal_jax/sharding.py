@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis name -> mesh axes it is split over (None = replicated). Parameters are FSDP-sharded
-# on their model dimension and tensor-parallel on heads / MLP / vocab; activations on batch.
+# on their model dimension and tensor-parallel on heads / MLP / vocab; activations on batch. The slot axes
+# of the fused kernels (`qkv`: a head group's queries, key, value; `gate_up`) are never split.
 LOGICAL_RULES: Mapping[str, tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
     "length": None,
@@ -32,6 +33,8 @@ LOGICAL_RULES: Mapping[str, tuple[str, ...] | None] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": None,
+    "qkv": None,
+    "gate_up": None,
     "layers": None,
     "norm": None,
     "slots": ("data", "fsdp"),
