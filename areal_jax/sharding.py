@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,7 +22,8 @@ logger = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis name -> mesh axes it is split over (None = replicated). Parameters are FSDP-sharded
-# on their model dimension and tensor-parallel on heads / MLP / vocab; activations on batch.
+# on their model dimension and tensor-parallel on heads / MLP / vocab; activations on batch. The slot axes
+# of the fused kernels (`qkv`: a head group's queries, key, value; `gate_up`) are never split.
 LOGICAL_RULES: Mapping[str, tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
     "length": None,
@@ -31,6 +33,8 @@ LOGICAL_RULES: Mapping[str, tuple[str, ...] | None] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": None,
+    "qkv": None,
+    "gate_up": None,
     "layers": None,
     "norm": None,
     "slots": ("data", "fsdp"),
@@ -154,10 +158,22 @@ def copy_to(tree: Any, shardings: Any) -> Any:
 
     The result never shares a buffer with `tree`, so the source may be donated right away: where the
     source and target device sets overlap, `device_put` can hand back the source's own buffers (even with
-    `may_alias=False` for a replicated target), so the arrays are first copied on their own devices.
+    `may_alias=False` for a replicated target), so the arrays are copied by a jitted program, built once
+    per (tree structure, shardings) and reused by every later publish of the same layout.
     """
-    source_devices = {d for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set}
-    target_devices = {d for s in jax.tree.leaves(shardings) for d in s.device_set}
-    if source_devices & target_devices:
-        tree = jax.jit(lambda t: jax.tree.map(jnp.copy, t))(tree)
-    return jax.device_put(tree, shardings)
+    leaves, treedef = jax.tree.flatten(tree)
+    target = tuple(jax.tree.leaves(shardings))
+    source = tuple(leaf.sharding for leaf in leaves)
+    source_devices = {d for s in source for d in s.device_set}
+    target_devices = {d for s in target for d in s.device_set}
+    if not source_devices & target_devices:
+        return jax.device_put(tree, shardings)
+    if source_devices == target_devices:
+        return jax.tree.unflatten(treedef, _copy_program(target)(leaves))
+    return jax.device_put(jax.tree.unflatten(treedef, _copy_program(source)(leaves)), shardings)
+
+
+@functools.lru_cache(maxsize=16)
+def _copy_program(out_shardings: tuple[jax.sharding.Sharding, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """A jitted copy of a list of arrays onto `out_shardings` (one per array, same devices as the input)."""
+    return jax.jit(lambda leaves: [jnp.copy(leaf) for leaf in leaves], out_shardings=list(out_shardings))

@@ -97,12 +97,9 @@ def decayed_paths(state: nnx.State) -> tuple[set[str], set[str]]:
 KERNELS = {
     "embed",
     "layers.mlp.down",
-    "layers.mlp.gate",
-    "layers.mlp.up",
+    "layers.mlp.gate_up",
     "layers.o",
-    "layers.qkv.q",
-    "layers.qkv.k",
-    "layers.qkv.v",
+    "layers.qkv.kernel",
 }
 NORMS = {"final_norm.weight", "layers.input_norm.weight", "layers.post_attention_norm.weight"}
 
@@ -112,7 +109,7 @@ def test_weight_decay_on_qwen2_decays_kernels_and_embeddings_not_qkv_biases_or_n
     state = nnx.state(Decoder(qwen2, nnx.Rngs(1)))
     decayed, kept = decayed_paths(state)
     assert decayed == KERNELS | {"lm_head"}
-    assert kept == NORMS | {"layers.qkv.q_bias", "layers.qkv.k_bias", "layers.qkv.v_bias"}
+    assert kept == NORMS | {"layers.qkv.bias"}
 
 
 def test_weight_decay_on_qwen3_skips_the_qk_norms():

@@ -52,7 +52,9 @@ def test_logical_rules_drop_axes_that_do_not_divide():
         logical_to_spec(("nonsense",))
 
 
-def test_sharded_forward_equals_single_device_and_params_follow_rules(tmp_path):
+def test_sharded_fused_model_equals_single_device_and_params_follow_rules(tmp_path):
+    """The fused q/k/v and gate/up kernels on a data=2, fsdp=2, tensor=2 mesh: each tensor shard holds whole
+    head groups and half the MLP width, and logits and gradients equal a single-device run."""
     make_hf_checkpoint("qwen2-untied", tmp_path)
     _, single = load_hf_checkpoint(tmp_path)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
@@ -62,25 +64,31 @@ def test_sharded_forward_equals_single_device_and_params_follow_rules(tmp_path):
     expected = state_shardings(state, mesh)
     for (path, var), (_, want) in zip(nnx.to_flat_state(state), nnx.to_flat_state(expected), strict=True):
         assert var[...].sharding == want.get_value(), path
-    assert state["layers"]["mlp"]["up"][...].sharding.spec == P(None, "fsdp", "tensor")
+    assert state["layers"]["mlp"]["gate_up"][...].sharding.spec == P(None, "fsdp", None, "tensor")
     assert state["embed"][...].sharding.spec == P(None, "fsdp")  # vocab 97 does not split over tensor=2
-    # 6 query heads over tensor=2; 2 KV heads over tensor=2
-    assert state["layers"]["qkv"]["q"][...].sharding.spec == P(None, "fsdp", "tensor", None)
-    assert state["layers"]["qkv"]["k"][...].sharding.spec == P(None, "fsdp", "tensor", None)
-    shard_shape = state["layers"]["mlp"]["up"][...].addressable_shards[0].data.shape
-    assert shard_shape == (2, 24, 40)
+    # [Y, D, K, G + 2, H]: 2 KV heads over tensor=2, each shard one group of 3 queries + key + value
+    assert state["layers"]["qkv"]["kernel"][...].sharding.spec == P(None, "fsdp", "tensor", None, None)
+    assert state["layers"]["qkv"]["kernel"][...].addressable_shards[0].data.shape == (2, 24, 1, 5, 8)
+    assert state["layers"]["qkv"]["bias"][...].sharding.spec == P(None, "tensor", None, None)
+    assert state["layers"]["mlp"]["gate_up"][...].addressable_shards[0].data.shape == (2, 24, 2, 40)
 
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 16)), jnp.int32)
-    seg = jnp.ones((4, 16), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
+    seg = jnp.asarray(np.repeat([[1] * 9 + [2] * 7], 4, axis=0), jnp.int32)
+    pos = jnp.asarray(np.repeat([list(range(9)) + list(range(7))], 4, axis=0), jnp.int32)
     batch_sharding = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None))
     graphdef, sharded_state = nnx.split(sharded)
 
-    @jax.jit
-    def forward(state, tokens, seg, pos):
-        return nnx.merge(graphdef, state).logits(tokens, seg, pos)
+    def loss_and_logits(state, tokens, seg, pos):
+        model = nnx.merge(graphdef, state)
+        logp, _ = model.token_logprobs(tokens, jnp.roll(tokens, -1, axis=1), seg, pos)
+        return -jnp.mean(logp), model.logits(tokens, seg, pos)
 
-    out = forward(sharded_state, *(jax.device_put(x, batch_sharding) for x in (tokens, seg, pos)))
-    assert len(out.sharding.device_set) == 8
-    np.testing.assert_allclose(out, single.logits(tokens, seg, pos), atol=1e-5)
+    step = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))
+    (loss_8, logits_8), grads_8 = step(sharded_state, *(jax.device_put(x, batch_sharding) for x in (tokens, seg, pos)))
+    (loss_1, logits_1), grads_1 = step(nnx.state(single), tokens, seg, pos)
+    assert len(logits_8.sharding.device_set) == 8
+    np.testing.assert_allclose(logits_8, logits_1, atol=1e-5)
+    np.testing.assert_allclose(loss_8, loss_1, atol=1e-6)
+    for (path, g8), (_, g1) in zip(nnx.to_flat_state(grads_8), nnx.to_flat_state(grads_1), strict=True):
+        np.testing.assert_allclose(g8[...], g1[...], atol=1e-6, err_msg=str(path))

@@ -92,8 +92,8 @@ def test_sharded_step_equals_single_device_and_opt_state_is_sharded_like_params(
     params_1, _, stats_1 = _run_update(single_step, state, batch)
     params_8, opt_8, stats_8 = _run_update(sharded_step, state, batch)
 
-    assert params_8["layers"]["mlp"]["up"][...].sharding.spec == P(None, "fsdp", "tensor")
-    assert params_8["layers"]["qkv"]["q"][...].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert params_8["layers"]["mlp"]["gate_up"][...].sharding.spec == P(None, "fsdp", None, "tensor")
+    assert params_8["layers"]["qkv"]["kernel"][...].sharding.spec == P(None, "fsdp", "tensor", None, None)
     for leaf_1, leaf_8 in zip(jax.tree.leaves(params_1), jax.tree.leaves(params_8), strict=True):
         np.testing.assert_allclose(np.asarray(leaf_8), np.asarray(leaf_1), atol=1e-5, rtol=0)
     np.testing.assert_allclose(float(stats_8["train/loss"]), float(stats_1["train/loss"]), atol=1e-6)

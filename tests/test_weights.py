@@ -24,6 +24,7 @@ from areal_jax.models.init import create_decoder
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
 from areal_jax.sharding import MeshConfig, make_mesh, split_devices, state_shardings
 from areal_jax.weights import InProcessPublisher, OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
+from tests.conftest import CompileCounter
 from tests.weights_worker import TINY, big_params, flat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,3 +227,26 @@ def test_in_process_publisher_swaps_weights_then_admits(params_2x4: nnx.State, m
             np.testing.assert_array_equal(value, expected[key])
         (result,) = generator.submit([1, 2, 3], SamplingParams(max_new_tokens=3, seed=0)).result(timeout=120)
     assert result.output_versions == (1, 1, 1)
+
+
+def test_in_process_publication_compiles_its_copy_once_across_five_publishes(params_2x4: nnx.State) -> None:
+    """Trainer and generator on the same devices (the case that needs a copy program): the jitted copy is
+    built by the first publish and reused by the next four; each publish still hands over its own values."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+    engine = Engine(create_decoder(TINY, 0, mesh), EngineConfig(max_slots=2, max_length=32), mesh)
+    staleness = StalenessManager(StalenessConfig(max_head_offpolicyness=0, batch_prompts=1))
+    versions = {v: on_mesh(params_2x4, mesh, offset=float(v)) for v in range(1, 6)}
+    expected = {v: flat(params) for v, params in versions.items()}
+    compiles_after = []
+    with Generator(engine, engine.load_params(params_2x4, 0)) as generator:
+        publish = InProcessPublisher(generator, staleness, interrupt=True)
+        with CompileCounter() as compiles:
+            for version, params in versions.items():
+                publish(params, version)
+                for leaf in jax.tree.leaves(params):
+                    leaf.delete()  # what donation to the next train step does
+                compiles_after.append(compiles.count)
+                got = flat(generator.params.state)
+                for key, value in expected[version].items():
+                    np.testing.assert_array_equal(got[key], value, err_msg=key)
+    assert compiles_after == [1] * 5

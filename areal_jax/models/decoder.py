@@ -120,15 +120,7 @@ class Decoder(nnx.Module):
 
         def body(x_BxTxD: jax.Array, layer: DecoderLayer, _: jax.Array):
             q, k, v = layer.attention_inputs(x_BxTxD, sin, cos)
-            out = attend(
-                q,
-                k,
-                v,
-                q_segment_ids=segment_ids_BxT,
-                kv_segment_ids=segment_ids_BxT,
-                q_positions=positions_BxT,
-                kv_positions=positions_BxT,
-            )
+            out = attend(q, k, v, segment_ids=segment_ids_BxT, positions=positions_BxT)
             return layer.finish(x_BxTxD, out), ((k, v) if keep_kv else None)
 
         return self._scan_layers(body, self._embed(tokens_BxT))

@@ -142,64 +142,70 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class TensorMapping:
-    """How one of our parameters is stored in HF: name (with `{i}` for the layer), and the two layouts."""
+    """How one of our parameters is stored in HF: the tensor names it is made of (with `{i}` for the
+    layer; a fused kernel has several), and the layout conversions: `to_ours(hf_tensors) -> ours`,
+    `to_hf(ours) -> hf_tensors`, in the order of `hf_names`."""
 
-    hf_name: str
-    to_ours: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
+    hf_names: tuple[str, ...]
+    to_ours: Callable[[list[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]]
     per_layer: bool
 
 
-def _identity(x: np.ndarray) -> np.ndarray:
-    return x
+def _one(to_ours: Callable[[np.ndarray], np.ndarray], to_hf: Callable[[np.ndarray], np.ndarray]) -> tuple:
+    """The conversions of a parameter stored as a single HF tensor."""
+    return (lambda ws: to_ours(ws[0]), lambda w: [to_hf(w)])
 
 
 def tensor_mappings(cfg: ModelConfig) -> dict[tuple[str, ...], TensorMapping]:
-    """Our state path -> HF tensor, for every parameter of `cfg`'s decoder."""
+    """Our state path -> HF tensors, for every parameter of `cfg`'s decoder."""
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    g = n // k
     layer = "model.layers.{i}."
+    attn = layer + "self_attn."
+    identity = _one(lambda w: w, lambda w: w)
+    transpose = _one(lambda w: w.T, lambda w: w.T)
 
-    def linear_to_heads(heads: int) -> tuple[Callable, Callable]:  # HF [heads*H, D] <-> ours [D, heads, H]
-        return (lambda w: w.T.reshape(d, heads, h), lambda w: w.reshape(d, heads * h).T)
+    def qkv_kernel(ws: list[np.ndarray]) -> np.ndarray:  # HF q [N*H, D], k/v [K*H, D] -> [D, K, G+2, H]
+        q, key, value = (w.T.reshape(d, k, -1, h) for w in ws)
+        return np.concatenate([q, key, value], axis=2)
 
-    def bias_to_heads(heads: int) -> tuple[Callable, Callable]:  # [heads*H] <-> [heads, H]
-        return (lambda b: b.reshape(heads, h), lambda b: b.reshape(heads * h))
+    def qkv_kernel_to_hf(w: np.ndarray) -> list[np.ndarray]:
+        return [w[:, :, :g].reshape(d, n * h).T, w[:, :, g].reshape(d, k * h).T, w[:, :, g + 1].reshape(d, k * h).T]
 
-    transpose = (lambda w: w.T, lambda w: w.T)
-    o_proj = (lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)  # HF [D, N*H] <-> [N, H, D]
-    table: dict[tuple[str, ...], tuple[str, tuple[Callable, Callable], bool]] = {
-        ("embed",): ("model.embed_tokens.weight", (_identity, _identity), False),
-        ("final_norm", "weight"): ("model.norm.weight", (_identity, _identity), False),
-        ("layers", "input_norm", "weight"): (layer + "input_layernorm.weight", (_identity, _identity), True),
-        ("layers", "post_attention_norm", "weight"): (
-            layer + "post_attention_layernorm.weight",
-            (_identity, _identity),
-            True,
-        ),
-        ("layers", "qkv", "q"): (layer + "self_attn.q_proj.weight", linear_to_heads(n), True),
-        ("layers", "qkv", "k"): (layer + "self_attn.k_proj.weight", linear_to_heads(k), True),
-        ("layers", "qkv", "v"): (layer + "self_attn.v_proj.weight", linear_to_heads(k), True),
-        ("layers", "o"): (layer + "self_attn.o_proj.weight", o_proj, True),
-        ("layers", "mlp", "gate"): (layer + "mlp.gate_proj.weight", transpose, True),
-        ("layers", "mlp", "up"): (layer + "mlp.up_proj.weight", transpose, True),
-        ("layers", "mlp", "down"): (layer + "mlp.down_proj.weight", transpose, True),
+    def qkv_bias(bs: list[np.ndarray]) -> np.ndarray:  # HF [N*H], [K*H], [K*H] -> [K, G+2, H]
+        return np.concatenate([b.reshape(k, -1, h) for b in bs], axis=1)
+
+    def qkv_bias_to_hf(b: np.ndarray) -> list[np.ndarray]:
+        return [b[:, :g].reshape(n * h), b[:, g].reshape(k * h), b[:, g + 1].reshape(k * h)]
+
+    gate_up = (lambda ws: np.stack([w.T for w in ws], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])  # [F, D]x2 <-> [D,2,F]
+    o_proj = _one(lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T)  # HF [D, N*H] <-> [N, H, D]
+    qkv_names = (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")
+    table: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[Callable, Callable], bool]] = {
+        ("embed",): (("model.embed_tokens.weight",), identity, False),
+        ("final_norm", "weight"): (("model.norm.weight",), identity, False),
+        ("layers", "input_norm", "weight"): ((layer + "input_layernorm.weight",), identity, True),
+        ("layers", "post_attention_norm", "weight"): ((layer + "post_attention_layernorm.weight",), identity, True),
+        ("layers", "qkv", "kernel"): (qkv_names, (qkv_kernel, qkv_kernel_to_hf), True),
+        ("layers", "o"): ((attn + "o_proj.weight",), o_proj, True),
+        ("layers", "mlp", "gate_up"): ((layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), gate_up, True),
+        ("layers", "mlp", "down"): ((layer + "mlp.down_proj.weight",), transpose, True),
     }
     if cfg.qkv_bias:
-        table[("layers", "qkv", "q_bias")] = (layer + "self_attn.q_proj.bias", bias_to_heads(n), True)
-        table[("layers", "qkv", "k_bias")] = (layer + "self_attn.k_proj.bias", bias_to_heads(k), True)
-        table[("layers", "qkv", "v_bias")] = (layer + "self_attn.v_proj.bias", bias_to_heads(k), True)
+        bias_names = tuple(name.replace(".weight", ".bias") for name in qkv_names)
+        table[("layers", "qkv", "bias")] = (bias_names, (qkv_bias, qkv_bias_to_hf), True)
     if cfg.qk_norm:
-        table[("layers", "qkv", "q_norm", "weight")] = (layer + "self_attn.q_norm.weight", (_identity, _identity), True)
-        table[("layers", "qkv", "k_norm", "weight")] = (layer + "self_attn.k_norm.weight", (_identity, _identity), True)
+        table[("layers", "qkv", "q_norm", "weight")] = ((attn + "q_norm.weight",), identity, True)
+        table[("layers", "qkv", "k_norm", "weight")] = ((attn + "k_norm.weight",), identity, True)
     if not cfg.tie_word_embeddings:
-        table[("lm_head",)] = ("lm_head.weight", transpose, False)
-    return {path: TensorMapping(name, fns[0], fns[1], per_layer) for path, (name, fns, per_layer) in table.items()}
+        table[("lm_head",)] = (("lm_head.weight",), transpose, False)
+    return {path: TensorMapping(names, fns[0], fns[1], per_layer) for path, (names, fns, per_layer) in table.items()}
 
 
-def _hf_names(mapping: TensorMapping, num_layers: int) -> list[str]:
-    if mapping.per_layer:
-        return [mapping.hf_name.format(i=i) for i in range(num_layers)]
-    return [mapping.hf_name]
+def _hf_names(mapping: TensorMapping, layer: int | None) -> list[str]:
+    """The HF names of `mapping`'s tensors for one layer (or, not per layer, `layer` None)."""
+    return [name.format(i=layer) if mapping.per_layer else name for name in mapping.hf_names]
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -241,9 +247,9 @@ class _SafetensorsReader:
         return self._handle(name).get_tensor(name)
 
 
-def _expected_hf_shape(mapping: TensorMapping, our_shape: tuple[int, ...]) -> tuple[int, ...]:
+def _expected_hf_shapes(mapping: TensorMapping, our_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     shape = our_shape[1:] if mapping.per_layer else our_shape
-    return mapping.to_hf(np.empty(shape, np.int8)).shape
+    return [part.shape for part in mapping.to_hf(np.empty(shape, np.int8))]
 
 
 def _check_tensors(
@@ -254,14 +260,15 @@ def _check_tensors(
 ) -> None:
     expected_names: set[str] = set()
     for path, mapping in mappings.items():
-        want = _expected_hf_shape(mapping, shapes[path])
-        for name in _hf_names(mapping, cfg.num_layers):
-            expected_names.add(name)
-            if name not in reader.file_of:
-                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (expected shape {want})")
-            got = reader.shape(name)
-            if got != want:
-                raise CheckpointError(f"tensor {name!r} has shape {got}, expected {want} from config.json")
+        wants = _expected_hf_shapes(mapping, shapes[path])
+        for layer in range(cfg.num_layers) if mapping.per_layer else [None]:
+            for name, want in zip(_hf_names(mapping, layer), wants, strict=True):
+                expected_names.add(name)
+                if name not in reader.file_of:
+                    raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (expected shape {want})")
+                got = reader.shape(name)
+                if got != want:
+                    raise CheckpointError(f"tensor {name!r} has shape {got}, expected {want} from config.json")
     extra = sorted(n for n in reader.names() - expected_names if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         logger.warning("ignoring %d checkpoint tensors the model does not use: %s", len(extra), extra[:8])
@@ -278,8 +285,7 @@ def _array_from_file(
     """Build one parameter directly in `sharding`: every shard is cut from the file it needs."""
 
     def layer_tensor(i: int | None) -> np.ndarray:
-        name = mapping.hf_name.format(i=i) if i is not None else mapping.hf_name
-        return mapping.to_ours(reader.read(name)).astype(dtype, copy=False)
+        return mapping.to_ours([reader.read(name) for name in _hf_names(mapping, i)]).astype(dtype, copy=False)
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         if not mapping.per_layer:
@@ -346,11 +352,10 @@ def iter_hf_tensors(cfg: ModelConfig, model: Decoder) -> Iterator[tuple[str, np.
     flat_state = dict(nnx.to_flat_state(nnx.state(model)))
     for path, mapping in tensor_mappings(cfg).items():
         value = _to_host(flat_state[path].get_value())
-        if mapping.per_layer:
-            for i in range(cfg.num_layers):
-                yield mapping.hf_name.format(i=i), np.ascontiguousarray(mapping.to_hf(value[i]))
-        else:
-            yield mapping.hf_name, np.ascontiguousarray(mapping.to_hf(value))
+        for layer in range(cfg.num_layers) if mapping.per_layer else [None]:
+            parts = mapping.to_hf(value if layer is None else value[layer])
+            for name, part in zip(_hf_names(mapping, layer), parts, strict=True):
+                yield name, np.ascontiguousarray(part)
 
 
 TOKENIZER_FILES = (

@@ -1,7 +1,7 @@
 """The decoder's building blocks as Flax NNX modules, every parameter named by logical axes.
 
-Legend: B batch rows, T length, D model width, N query heads, K key/value heads, H head dim,
-F MLP width.
+Legend: B batch rows, T length, D model width, N query heads, K key/value heads, G = N / K query heads
+per KV head, J = G + 2 (a group's queries, key, value), H head dim, F MLP width.
 """
 
 from __future__ import annotations
@@ -38,39 +38,37 @@ class RMSNorm(nnx.Module):
 
 
 class QKVProjection(nnx.Module):
-    """q/k/v projections with optional bias (Qwen2) and per-head q/k RMSNorm (Qwen3), then RoPE."""
+    """q/k/v as one matmul with optional bias (Qwen2) and per-head q/k RMSNorm (Qwen3), then RoPE.
+
+    The kernel is [D, K, G + 2, H]: for each KV head, its G query heads, then its key, then its value
+    (query head n = k * G + g, HF's order). Sharding the `kv_heads` axis gives each tensor shard whole
+    head groups, so the attention that follows needs no communication.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        std = cfg.initializer_range
+        d, k, h = cfg.hidden_size, cfg.num_kv_heads, cfg.resolved_head_dim
+        self.group = cfg.num_heads // k
         self.compute_dtype = cfg.compute_jnp_dtype
-        self.q = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), cfg, std)
-        self.k = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
-        self.v = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg, std)
-        if cfg.qkv_bias:
-            self.q_bias = _const((n, h), ("heads", "head_dim"), cfg, 0.0)
-            self.k_bias = _const((k, h), ("kv_heads", "head_dim"), cfg, 0.0)
-            self.v_bias = _const((k, h), ("kv_heads", "head_dim"), cfg, 0.0)
-        else:
-            self.q_bias = self.k_bias = self.v_bias = None
+        axes = ("embed", "kv_heads", "qkv", "head_dim")
+        self.kernel = _param(rngs, (d, k, self.group + 2, h), axes, cfg, cfg.initializer_range)
+        self.bias = _const((k, self.group + 2, h), axes[1:], cfg, 0.0) if cfg.qkv_bias else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg, axis_name="head_dim")
             self.k_norm = RMSNorm(h, cfg, axis_name="head_dim")
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x_BxTxD: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        out = jnp.einsum("btd,dnh->btnh", x_BxTxD, kernel[...].astype(self.compute_dtype))
-        if bias is not None:
-            out = out + bias[...].astype(self.compute_dtype)[None, None]
-        return out
-
     def __call__(
         self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q_BxTxNxH = self._project(x_BxTxD, self.q, self.q_bias)
-        k_BxTxKxH = self._project(x_BxTxD, self.k, self.k_bias)
-        v_BxTxKxH = self._project(x_BxTxD, self.v, self.v_bias)
+        b, t, _ = x_BxTxD.shape
+        g = self.group
+        qkv_BxTxKxJxH = jnp.einsum("btd,dkjh->btkjh", x_BxTxD, self.kernel[...].astype(self.compute_dtype))
+        if self.bias is not None:
+            qkv_BxTxKxJxH = qkv_BxTxKxJxH + self.bias[...].astype(self.compute_dtype)[None, None]
+        q_BxTxNxH = qkv_BxTxKxJxH[:, :, :, :g].reshape(b, t, -1, qkv_BxTxKxJxH.shape[-1])
+        k_BxTxKxH = qkv_BxTxKxJxH[:, :, :, g]
+        v_BxTxKxH = qkv_BxTxKxJxH[:, :, :, g + 1]
         if self.q_norm is not None and self.k_norm is not None:
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
@@ -78,20 +76,19 @@ class QKVProjection(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), gate and up as one matmul over a [D, 2, F] kernel (gate, then up)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.compute_dtype = cfg.compute_jnp_dtype
-        self.gate = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.initializer_range)
-        self.up = _param(rngs, (d, f), ("embed", "mlp"), cfg, cfg.initializer_range)
+        self.gate_up = _param(rngs, (d, 2, f), ("embed", "gate_up", "mlp"), cfg, cfg.initializer_range)
         self.down = _param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.initializer_range)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         dtype = self.compute_dtype
-        gate_BxTxF = x_BxTxD @ self.gate[...].astype(dtype)
-        up_BxTxF = x_BxTxD @ self.up[...].astype(dtype)
-        return (jax.nn.silu(gate_BxTxF) * up_BxTxF) @ self.down[...].astype(dtype)
+        gate_up_BxTx2xF = jnp.einsum("btd,dcf->btcf", x_BxTxD, self.gate_up[...].astype(dtype))
+        hidden_BxTxF = jax.nn.silu(gate_up_BxTx2xF[:, :, 0]) * gate_up_BxTx2xF[:, :, 1]
+        return hidden_BxTxF @ self.down[...].astype(dtype)
 
 
 class DecoderLayer(nnx.Module):
