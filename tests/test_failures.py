@@ -10,7 +10,7 @@ from areal_jax.config import load_experiment
 from areal_jax.rollout.failures import FailureBudget, FailureBudgetConfig
 from areal_jax.system.async_rl import RunFailed, run_async
 
-FAST = ["train_steps=4", "report.plots=false"]
+FAST = ["train_steps=4", "report.plots=false", "eval.every_steps=0"]
 
 
 def always_raises(completion: str, task: object) -> tuple[float, dict[str, float]]:

@@ -24,10 +24,10 @@ RUN = [
     "rollout.staleness.batch_prompts=4",
     f"rollout.staleness.max_head_offpolicyness={ETA}",
     "rollout.workflow.n_samples=4",
-    "rollout.engine.max_slots=16",
+    "rollout.engine.max_slots=8",
+    "rollout.engine.max_prefill_batch=2",  # fewer engine programs to compile in each server
     "trainer.packing.token_budget=256",
     "trainer.packing.rows=4",
-    "compilation_cache_dir=null",
     "train_checkpoint.every_steps=5",
     "report.plots=false",
     "dataset.heldout=0",
@@ -51,7 +51,11 @@ def _steps_logged(run_dir: Path) -> int:
 
 def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "areal_jax.cli", "launch", "local", "--rollout", "2", *RUN]
-    command += [f"output_dir={tmp_path}", "name=run"]
+    command += [
+        f"output_dir={tmp_path}",
+        "name=run",
+        f"compilation_cache_dir={tmp_path / 'xla'}",
+    ]  # a restarted server loads its programs
     env = {
         k: v for k, v in os.environ.items() if k != "XLA_FLAGS"
     }  # one CPU device per process, as on a user's machine

@@ -76,7 +76,7 @@ def test_masked_scoring_equals_numpy_over_usable_ids(temperature):
     tokens, targets, segments, positions = _packed(np.random.default_rng(1), 3, 20)  # 20: not a multiple of 7
     raw = np.asarray(unpadded.logits(tokens, segments, positions))
     probs_padded = np.exp(_np_log_softmax(raw))[..., LIMIT:].sum(-1)
-    assert probs_padded.min() > 0.2  # without the mask the padded ids would carry real mass
+    assert probs_padded.min() > 0.05  # without the mask the padded ids would carry real mass
 
     masked = np.asarray(padded.logits(tokens, segments, positions))
     np.testing.assert_array_equal(masked[..., :LIMIT], raw[..., :LIMIT])
