@@ -450,6 +450,12 @@ class _TrainingRun:
                     if not (self.checkpointer.stop_requested or self.rollouts.failed()):
                         logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
                     break
+                groups = len({t.group_id for t in batch})
+                if groups < cfg.rollout.staleness.batch_prompts and self._stopping():
+                    # the pipeline ended on the stop, not on the data: these groups stay unconsumed, so the
+                    # checkpoint lists them as outstanding and a resumed run generates and trains them
+                    logger.info("stopping: %d group(s) of an incomplete batch are left to the resumed run", groups)
+                    break
                 self.ledger.consume(batch)
                 version_before = trainer.version
                 profile.before_step(version_before + 1)
@@ -474,6 +480,9 @@ class _TrainingRun:
         if self.checkpointer.stop_requested:
             self._save_now()
         return trace
+
+    def _stopping(self) -> bool:
+        return self.checkpointer.stop_requested or self.pipeline_stop.is_set() or self.rollouts.failed()
 
     def _save_now(self) -> None:
         if self.checkpointer.latest_step() != self.trainer.version and not self.rollouts.failed():
