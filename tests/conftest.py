@@ -40,3 +40,24 @@ class CompileCounter:
 
     def __exit__(self, *exc: object) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+# The files that run the system in subprocesses for a minute or more, heaviest first. They are collected
+# first, so the two xdist workers (`--dist loadfile` hands out files in collection order) start on them
+# and finish on short files instead of one worker running a long file alone at the end.
+_LONG_FIRST = (
+    "test_launch.py",
+    "test_distributed_trainer.py",
+    "test_resume_prompts.py",
+    "test_exact_resume.py",
+    "test_async_rl.py",
+    "test_recipes.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    def rank(item) -> int:
+        name = item.path.name
+        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
