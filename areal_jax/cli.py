@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from areal_jax.configuration import ConfigError, describe, to_yaml
 
@@ -83,46 +84,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _run_config(args: argparse.Namespace) -> Any:
+    """The command's experiment config (file + overrides), with its compilation cache turned on."""
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    enable_compilation_cache(cfg.compilation_cache_dir)
+    return cfg
+
+
+def _training_done(summary: Any) -> int:
+    print(json.dumps(dataclasses.asdict(summary), indent=2))
+    return EXIT_RESUMABLE if summary.stopped_by_signal else 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
     from areal_jax.profiling import request_cpu_op_events
     from areal_jax.system.async_rl import run_async
 
-    path, overrides = _split_config_args(args.rest)
-    cfg = load_experiment(path, overrides)
-    enable_compilation_cache(cfg.compilation_cache_dir)
+    cfg = _run_config(args)
     if cfg.profile.start_step:
         request_cpu_op_events()
-    summary = run_async(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(json.dumps(dataclasses.asdict(summary), indent=2))
-    return EXIT_RESUMABLE if summary.stopped_by_signal else 0
+    return _training_done(run_async(cfg, resume=args.resume, overwrite=args.overwrite))
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
-    from areal_jax.compilation_cache import enable_compilation_cache
-    from areal_jax.config import load_experiment
     from areal_jax.system.trainer_role import run_trainer
 
-    path, overrides = _split_config_args(args.rest)
-    cfg = load_experiment(path, overrides)
-    enable_compilation_cache(cfg.compilation_cache_dir)
-    summary = run_trainer(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(json.dumps(dataclasses.asdict(summary), indent=2))
-    return EXIT_RESUMABLE if summary.stopped_by_signal else 0
+    return _training_done(run_trainer(_run_config(args), resume=args.resume, overwrite=args.overwrite))
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from areal_jax.compilation_cache import enable_compilation_cache
-    from areal_jax.config import load_experiment
     from areal_jax.system.rollout_server import RolloutServerError, run_rollout_server
 
-    path, overrides = _split_config_args(args.rest)
-    cfg = load_experiment(path, overrides)
-    enable_compilation_cache(cfg.compilation_cache_dir)
+    cfg = _run_config(args)
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on every poll of a read-only store
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -153,18 +153,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from areal_jax.compilation_cache import enable_compilation_cache
-    from areal_jax.config import load_experiment
     from areal_jax.sft import run_warm_start
     from areal_jax.system.assembly import build_tokenizer
     from areal_jax.system.run_dir import check_run_location
 
-    path, overrides = _split_config_args(args.rest)
-    cfg = load_experiment(path, overrides)
+    cfg = _run_config(args)
     if not cfg.warm_start.steps:
         raise ConfigError("warm_start.steps", "is 0: the config has no warm start; set warm_start.steps=N")
     check_run_location(cfg)
-    enable_compilation_cache(cfg.compilation_cache_dir)
     summary = run_warm_start(cfg, build_tokenizer(cfg))
     summary.pop("settings")
     print(json.dumps(summary, indent=2))
