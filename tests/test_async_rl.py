@@ -18,6 +18,7 @@ FAST = [
     "trainer.packing.rows=4",
     "train_checkpoint.every_steps=2",
     "report.plots=false",
+    "eval.every_steps=0",  # no held-out evaluation (200 prompts, twice): tests/test_default_task.py covers it
 ]
 
 
@@ -63,7 +64,10 @@ def test_latest_checkpoint_is_read_without_creating_anything(tmp_path):
 def test_the_main_job_learns(tmp_path):
     """The README's main job, shortened: the reward and the exactly-correct fraction rise within 60 steps
     (from ~0.01 and ~0.005 over the first 10 steps to ~0.15 and ~0.07 over the last 10 on 2 seeds)."""
-    cfg = load_experiment("configs/train_cpu.yaml", ["train_steps=60", "report.plots=false", f"output_dir={tmp_path}"])
+    cfg = load_experiment(
+        "configs/train_cpu.yaml",
+        ["train_steps=60", "report.plots=false", "eval.every_steps=0", f"output_dir={tmp_path}"],
+    )
     metrics = load_metrics(run_async(cfg).metrics_file)
     first, last = metrics[:10], metrics[-10:]
 
