@@ -203,6 +203,15 @@ def _cmd_profile_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--resume, --overwrite and the config with its overrides: the arguments of a command that trains."""
+    parser.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete an earlier run in the run directory and start over"
+    )
+    parser.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     debug_help = "show the traceback of a user mistake (a bad config, a missing file) instead of one line"
     parser = argparse.ArgumentParser(prog="areal-jax", description=__doc__)
@@ -217,11 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"exit status: 0 done, {EXIT_USER_ERROR} a user mistake, {EXIT_RESUMABLE} stopped by "
         "SIGTERM/SIGINT after writing a checkpoint (rerun with --resume)",
     )
-    train.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
-    train.add_argument(
-        "--overwrite", action="store_true", help="delete an earlier run in the run directory and start over"
-    )
-    train.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    _add_run_arguments(train)
     train.set_defaults(func=_cmd_train)
     trainer = sub.add_parser(
         "trainer",
@@ -230,9 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"exit status: 0 done, 1 the run failed, {EXIT_USER_ERROR} a user mistake, {EXIT_RESUMABLE} "
         "stopped by SIGTERM/SIGINT after writing a checkpoint (rerun with --resume)",
     )
-    trainer.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
-    trainer.add_argument("--overwrite", action="store_true", help="delete an earlier run and start over")
-    trainer.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    _add_run_arguments(trainer)
     trainer.set_defaults(func=_cmd_trainer)
     rollout = sub.add_parser(
         "rollout",
@@ -252,9 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     local.add_argument("--rollout", type=int, default=1, help="rollout server processes")
     local.add_argument("--trainer-cores", type=int, help="CPU cores of the trainer (default: half)")
-    local.add_argument("--resume", action="store_true", help="continue the run from its newest checkpoint")
-    local.add_argument("--overwrite", action="store_true", help="delete an earlier run and start over")
-    local.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    _add_run_arguments(local)
     local.set_defaults(func=_cmd_launch)
     sft = sub.add_parser(
         "sft",

@@ -15,6 +15,7 @@ groups again when they start (`cluster.resume_point`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 
 from areal_jax.config import ExperimentConfig
+from areal_jax.inference.generator import GeneratorStats
 from areal_jax.sharding import make_mesh
 from areal_jax.system.async_rl import RunSummary, train
 from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses
@@ -34,15 +36,7 @@ from areal_jax.weights.orbax_store import OrbaxWeightPublisher
 
 logger = logging.getLogger(__name__)
 
-_GENERATOR_COUNTERS = (
-    "prefills",
-    "prefill_calls",
-    "decode_steps",
-    "emitted_tokens",
-    "interruptions",
-    "updates",
-    "busy_slot_steps",
-)
+_GENERATOR_COUNTERS = tuple(field.name for field in dataclasses.fields(GeneratorStats))
 
 
 class RemoteFailure(RuntimeError):
