@@ -18,7 +18,13 @@ from areal_jax.compilation_cache import enable_compilation_cache  # noqa: E402 (
 
 _SESSION_CACHE = tempfile.mkdtemp(prefix="areal-jax-test-xla-cache-")
 atexit.register(shutil.rmtree, _SESSION_CACHE, True)
-enable_compilation_cache(_SESSION_CACHE)  # this process only: worker subprocesses compile for themselves
+enable_compilation_cache(_SESSION_CACHE)
+# The subprocesses the tests start (trainer workers, killed and resumed runs, role processes) share it through
+# JAX's environment flags, unless their config names a cache of its own: a program compiled by one of them is
+# loaded by the next (the exact-resume test runs the same trainer three times).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SESSION_CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

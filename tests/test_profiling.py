@@ -20,7 +20,7 @@ def step(x):
 
 window = ProfileWindow(ProfileConfig(start_step=2, num_steps=2), sys.argv[1])
 x = jnp.ones((256, 256)) / 256
-for trainer_step in range(1, 6):
+for trainer_step in range(1, 31):  # 2 steps inside the window, 28 outside
     window.before_step(trainer_step)
     x = step(x).block_until_ready()
     window.after_step(trainer_step)
@@ -45,7 +45,9 @@ def test_a_trace_window_records_xla_operations_and_ranks_them(tmp_path, capsys):
     totals = [total for _, total, _, _ in ops]
     assert totals == sorted(totals, reverse=True) and totals[0] > 0
     assert 0 < sum(share for *_, share in ops) <= 1.0 + 1e-9
-    assert max(count for _, _, count, _ in ops) <= 2  # only the two traced steps ran inside the window
+    # An operation can show as one event per thread that ran a share of it (3 were seen on a 2-core CI
+    # machine), so the bound is loose; had the window leaked, the 28 untraced steps would show.
+    assert max(count for _, _, count, _ in ops) <= 2 * min(os.cpu_count() or 1, 8)  # < 28
 
     assert main(["profile-summary", str(tmp_path / "profile"), "--top", "3"]) == 0
     printed = capsys.readouterr().out
