@@ -210,7 +210,7 @@ def test_pieces_rebuild_each_leaf_on_the_target_sharding(
     shards = distinct_shards(leaf)
     assert len(shards) == len({str(s.index) for s in leaf.addressable_shards})  # each distinct index once
     spec = LeafSpec(leaf.shape, str(leaf.dtype), tuple(index for index, _ in shards))
-    plan = plan_leaf(spec, target_sharding, spread=3)
+    plan = plan_leaf(spec, target_sharding)
     assert plan.direct == direct
     pulled = [jax.device_put(piece, device) for (_, piece), device in zip(shards, plan.devices, strict=True)]
     rebuilt = plan.build(pulled)

@@ -320,5 +320,5 @@ def _plans(specs: tuple[LeafSpec, ...], targets: list[Any]) -> list[LeafPlan]:
             raise DirectTransferError(
                 f"leaf {k}: announced {spec.shape} {spec.dtype}, target {tuple(target.shape)} {target.dtype}"
             )
-        plans.append(plan_leaf(spec, target.sharding, spread=k))
+        plans.append(plan_leaf(spec, target.sharding))
     return plans
