@@ -2,14 +2,16 @@
 Orbax store, for the model of `configs/train_cpu.yaml` and the ~100M-parameter decoder.
 
 This process is the trainer: params on a 2x4 (fsdp x tensor) mesh of 8 virtual CPU devices. A second
-process is a rollout server with 4 devices that loads each version onto a 4x1 mesh (so both paths
-reshard). Versions alternate between the paths; each round starts when the previous one is loaded and
+process is a rollout server with 4 devices that loads each version onto a 4x1 mesh (so every path
+reshards). Versions take turns between the paths; each round starts when the previous one is loaded and
 every background write is done. Latency = wall clock from the trainer's `publish` call to the params
 being ready on the reader's devices, including the reader's polling (every 0.05 s, the default
 `cluster.weights_poll_s`):
 
 - direct: `DirectWeightPublisher.publish` (copy, offer, announce; then the Orbax save it keeps, written in
-  the background while the reader pulls) -> the reader sees the announcement, pulls and reshards;
+  the background while the reader pulls: `cluster.weight_transfer: direct` as it runs) -> the reader sees
+  the announcement, pulls and reshards;
+- direct_only: the same offer and pull with no store write behind it (what the transfer itself costs);
 - orbax: `OrbaxWeightPublisher.publish` (host copy, background write, commit by rename) -> the reader sees
   the committed version and restores it onto its shardings.
 
@@ -56,8 +58,11 @@ def model_config(name: str) -> ModelConfig:
     return load_experiment(ROOT / "configs" / "train_cpu.yaml").model
 
 
+PATHS = ("direct", "direct_only", "orbax")
+
+
 def path_of(version: int) -> str:
-    return "direct" if version % 2 else "orbax"
+    return PATHS[(version - 1) % len(PATHS)]
 
 
 def reader(run: Path, model: str, versions: int) -> None:
@@ -66,21 +71,28 @@ def reader(run: Path, model: str, versions: int) -> None:
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])
     abstract = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))), nnx.Param)
     target = abstract_target(abstract, state_shardings(abstract, mesh))
-    store = OrbaxWeightSubscriber(run / "direct_store", poll_initial_s=POLL_S, poll_max_s=POLL_S)
     subscribers = {
-        "direct": DirectWeightSubscriber(
-            run / "announcement.json", store, puller=0, timeout_s=TIMEOUT_S, poll_s=POLL_S
-        ),
-        "orbax": OrbaxWeightSubscriber(run / "orbax_store", poll_initial_s=POLL_S, poll_max_s=POLL_S),
+        path: DirectWeightSubscriber(
+            run / f"{path}.json",
+            OrbaxWeightSubscriber(run / f"{path}_store", poll_initial_s=POLL_S, poll_max_s=POLL_S),
+            puller=0,
+            timeout_s=TIMEOUT_S,
+            poll_s=POLL_S,
+        )
+        for path in ("direct", "direct_only")
     }
+    subscribers["orbax"] = OrbaxWeightSubscriber(run / "orbax_store", poll_initial_s=POLL_S, poll_max_s=POLL_S)
     print("ready", flush=True)
     for version in range(1, versions + 1):
-        subscriber = subscribers[path_of(version)]
+        path = path_of(version)
+        subscriber = subscribers[path]
         if subscriber.wait_for_version(version, timeout_s=TIMEOUT_S) != version:
             raise SystemExit(f"version {version} did not appear")
         loaded = subscriber.load(version, target)
         jax.block_until_ready(loaded.params)
-        print(f"done {version} {time.time()} {loaded.seconds} {loaded.source}", flush=True)
+        if loaded.source != ("orbax" if path == "orbax" else "direct"):
+            raise SystemExit(f"version {version} ({path}) came from {loaded.source}")
+        print(f"done {version} {time.time()} {loaded.seconds} {path}", flush=True)
     for subscriber in subscribers.values():
         subscriber.close()
 
@@ -96,27 +108,31 @@ def measure(model: str, rounds: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="weight-transfer-bench-") as scratch:
         run = Path(scratch)
         publishers = {
-            "direct": DirectWeightPublisher(
-                run / "announcement.json", OrbaxWeightPublisher(run / "direct_store"), pullers=1, timeout_s=TIMEOUT_S
-            ),
-            "orbax": OrbaxWeightPublisher(run / "orbax_store"),
+            path: DirectWeightPublisher(
+                run / f"{path}.json", OrbaxWeightPublisher(run / f"{path}_store"), pullers=1, timeout_s=TIMEOUT_S
+            )
+            for path in ("direct", "direct_only")
         }
+        publishers["orbax"] = OrbaxWeightPublisher(run / "orbax_store")
+        publish = {path: publisher.publish for path, publisher in publishers.items()}
+        publish["direct_only"] = publishers["direct_only"].serve
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-        command = [sys.executable, __file__, "--reader", str(run), "--model", model, "--versions", str(2 * rounds)]
+        versions = len(PATHS) * rounds
+        command = [sys.executable, __file__, "--reader", str(run), "--model", model, "--versions", str(versions)]
         worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
         try:
             if worker.stdout.readline().strip() != "ready":
                 raise SystemExit("the reader did not start")
-            for version in range(1, 2 * rounds + 1):
+            for version in range(1, versions + 1):
                 path = path_of(version)
                 copy = fresh_copy(params)
                 started = time.time()
-                publishers[path].publish(copy, version)
+                publish[path](copy, version)
                 blocking = time.time() - started
                 line = worker.stdout.readline().split()
                 if not line or line[0] != "done" or int(line[1]) != version or line[4] != path:
                     raise SystemExit(f"the reader said {line} for version {version} ({path})")
-                if version > 2:  # the first round of each path warms it up
+                if version > len(PATHS):  # the first round of each path warms it up
                     times.setdefault(f"{path}_latency", []).append(float(line[2]) - started)
                     times.setdefault(f"{path}_publish_blocking", []).append(blocking)
                     times.setdefault(f"{path}_reader_load", []).append(float(line[3]))
@@ -153,6 +169,7 @@ def main() -> None:
         for name, value in medians.items():
             print(f"{model}_{name}: {value:.4f} s")
         ratios[model] = medians["orbax_latency"] / medians["direct_latency"]
+        print(f"{model}_direct_only_vs_orbax: {medians['orbax_latency'] / medians['direct_only_latency']:.2f} x")
         print(f"{model}_direct_vs_orbax: {ratios[model]:.2f} x")
     print(f"ratio direct_vs_orbax: {ratios['100m']:.2f}")
 

@@ -89,9 +89,10 @@ def _free_port() -> int:
 
 
 def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(tmp_path: Path) -> None:
-    """Taken, incompatible and unreachable offers each cost at most the timeout, then the store delivers the
-    same version; a subscriber opened after an announcement loads that version from the store (a restarted
-    server); a version on neither path is an error, not a hang."""
+    """Taken, incompatible (another transfer server shape, other leaves) and unreachable offers each cost at
+    most the timeout, then the store delivers the same version; a subscriber opened after an announcement
+    loads that version from the store (a restarted server); a version on neither path is an error, not a
+    hang."""
     timeout = 1.0
     announcement = tmp_path / "announcement.json"
     publisher = DirectWeightPublisher(
@@ -125,6 +126,12 @@ def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(tmp_pat
         assert (fallback.version, fallback.source, fallback.fell_back) == (2, "orbax", True)
         assert time.monotonic() - started < timeout
         assert_same_bytes(fallback.params, params[2])
+        renamed = ["['renamed']", *forged["paths"][1:]]
+        write_json_atomic(announcement, {**forged, "paths": renamed})
+        started = time.monotonic()  # leaves that do not match the target's by path: refused before pulling
+        fallback = second.load(2, target)
+        assert (fallback.version, fallback.source, fallback.fell_back) == (2, "orbax", True)
+        assert time.monotonic() - started < timeout
 
         publisher.publish(params[3], 3)
         forged = read_announcement(announcement).to_json()
@@ -192,6 +199,8 @@ def test_offers_nobody_pulls_are_freed_once_expired(tmp_path: Path) -> None:
         (P("x", None), (4, 2), P(None, "x"), False),
         (P(), (4, 2), P("x", None), False),
         (P("x", "y"), (4, 2), P("y", None), False),
+        (P("x", "y"), (4, 2), P("x", "y"), False),  # each target shard cut from parts of two pieces
+        (P(None, "y"), (4, 2), P("y", "x"), False),
         (P("x", "y"), (1, 1), P(), False),
     ],
 )

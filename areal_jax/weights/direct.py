@@ -73,7 +73,8 @@ class Announcement:
     address: str
     uuids: tuple[int, ...]  # puller i pulls uuids[i]
     streams: int
-    leaves: tuple[LeafSpec, ...]  # in `jax.tree.leaves` order of the published params
+    paths: tuple[str, ...]  # every leaf's path in the published pytree (`jax.tree_util.keystr`)
+    leaves: tuple[LeafSpec, ...]  # how each leaf is cut, in the same order (the order of the offered pieces)
     time: float  # wall clock when the offers were made
 
     def to_json(self) -> dict[str, Any]:
@@ -82,6 +83,7 @@ class Announcement:
             "address": self.address,
             "uuids": list(self.uuids),
             "streams": self.streams,
+            "paths": list(self.paths),
             "leaves": [leaf.to_json() for leaf in self.leaves],
             "time": self.time,
         }
@@ -93,6 +95,7 @@ class Announcement:
             address=str(value["address"]),
             uuids=tuple(int(u) for u in value["uuids"]),
             streams=int(value["streams"]),
+            paths=tuple(str(path) for path in value["paths"]),
             leaves=tuple(LeafSpec.from_json(leaf) for leaf in value["leaves"]),
             time=float(value["time"]),
         )
@@ -142,7 +145,8 @@ class DirectWeightPublisher:
     def serve(self, params: Any, version: int) -> Announcement:
         """Offer `params` as `version` to every puller and announce it (the direct half of `publish`)."""
         started = time.perf_counter()
-        leaves = jax.tree.leaves(params)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        leaves = [leaf for _, leaf in flat]
         copies = copy_to(leaves, [leaf.sharding for leaf in leaves])
         specs, pieces = [], []
         for leaf in copies:
@@ -156,7 +160,10 @@ class DirectWeightPublisher:
         expires = _deadline(self.timeout_s)
         for uuid in uuids:
             self._server.await_pull(uuid, pieces, timeout=expires)
-        announced = Announcement(version, self._server.address(), uuids, TRANSPORT_STREAMS, tuple(specs), time.time())
+        paths = tuple(jax.tree_util.keystr(path) for path, _ in flat)
+        announced = Announcement(
+            version, self._server.address(), uuids, TRANSPORT_STREAMS, paths, tuple(specs), time.time()
+        )
         write_json_atomic(self.announcement, announced.to_json())
         self._version = version
         logger.info(
@@ -252,8 +259,8 @@ class DirectWeightSubscriber:
             )
         if not 0 <= self.puller < len(announced.uuids):
             raise DirectTransferError(f"offered to {len(announced.uuids)} pullers; this is puller {self.puller}")
-        leaves, treedef = jax.tree.flatten(target)
-        plans = _plans(announced.leaves, leaves)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+        order, plans = _plans(announced, {jax.tree_util.keystr(path): leaf for path, leaf in flat})
         started = time.perf_counter()
         try:
             pulled = self._connect(announced.address).pull(
@@ -262,12 +269,12 @@ class DirectWeightSubscriber:
                 timeout=_deadline(self.timeout_s),
             )
             self._wait_ready(pulled, time.monotonic() + self.timeout_s)
-            params, offset = [], 0
-            for plan in plans:
+            built, offset = {}, 0
+            for path, plan in zip(announced.paths, plans, strict=True):
                 count = len(plan.spec.pieces)
-                params.append(plan.build(pulled[offset : offset + count]))
+                built[path] = plan.build(pulled[offset : offset + count])
                 offset += count
-            params = jax.block_until_ready(jax.tree.unflatten(treedef, params))
+            params = jax.block_until_ready(jax.tree.unflatten(treedef, [built[path] for path in order]))
         except Exception as err:  # the pull, or an offer that failed on the trainer's side
             self._connection = None  # it may be broken; abandoned pulls go with it
             if isinstance(err, DirectTransferError):
@@ -311,14 +318,19 @@ class DirectWeightSubscriber:
         self.durable.close()
 
 
-def _plans(specs: tuple[LeafSpec, ...], targets: list[Any]) -> list[LeafPlan]:
-    if len(specs) != len(targets):
-        raise DirectTransferError(f"the announced version has {len(specs)} leaves; the target has {len(targets)}")
+def _plans(announced: Announcement, targets: dict[str, Any]) -> tuple[list[str], list[LeafPlan]]:
+    """The target's leaf paths in its own order, and a plan per announced leaf (matched by path)."""
+    if set(announced.paths) != set(targets):
+        missing, extra = sorted(set(targets) - set(announced.paths)), sorted(set(announced.paths) - set(targets))
+        raise DirectTransferError(
+            f"the announced leaves differ from the target's: missing {missing[:3]}, extra {extra[:3]}"
+        )
     plans = []
-    for k, (spec, target) in enumerate(zip(specs, targets, strict=True)):
+    for path, spec in zip(announced.paths, announced.leaves, strict=True):
+        target = targets[path]
         if spec.shape != tuple(target.shape) or jnp.dtype(spec.dtype) != jnp.dtype(target.dtype):
             raise DirectTransferError(
-                f"leaf {k}: announced {spec.shape} {spec.dtype}, target {tuple(target.shape)} {target.dtype}"
+                f"{path}: announced {spec.shape} {spec.dtype}, target {tuple(target.shape)} {target.dtype}"
             )
         plans.append(plan_leaf(spec, target.sharding))
-    return plans
+    return list(targets), plans
