@@ -95,12 +95,12 @@ def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(tmp_pat
     hang."""
     timeout = 1.0
     announcement = tmp_path / "announcement.json"
-    publisher = DirectWeightPublisher(
-        announcement, OrbaxWeightPublisher(tmp_path / "weights", async_save=False), pullers=1, timeout_s=timeout
+    publisher = DirectWeightPublisher(  # offers outlive the synchronous store save that follows them
+        announcement, OrbaxWeightPublisher(tmp_path / "weights", async_save=False), pullers=1, timeout_s=60
     )
-    subscribers = [
-        DirectWeightSubscriber(announcement, OrbaxWeightSubscriber(tmp_path / "weights"), puller=0, timeout_s=timeout)
-        for _ in range(2)
+    subscribers = [  # the first one's pulls must succeed even on a loaded machine; the second one's fail fast
+        DirectWeightSubscriber(announcement, OrbaxWeightSubscriber(tmp_path / "weights"), puller=0, timeout_s=t)
+        for t in (60, timeout)
     ]
     first, second = subscribers
     params = {v: source_params(jax.devices()[:2], v) for v in (1, 2, 3)}
@@ -167,7 +167,7 @@ def _resident_bytes() -> int:
 def test_offers_nobody_pulls_are_freed_once_expired(tmp_path: Path) -> None:
     """Two pullers share one copy per version; versions offered and never pulled (superseded, or their
     server dead) hold their copy until the timeout, and are freed when the next version is offered."""
-    timeout, megabytes = 2.0, 64
+    timeout, megabytes = 3.0, 64  # two serves of 64 MB well within the timeout, even under load
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     rows = megabytes * 2**20 // 4 // 1024
     value = np.random.default_rng(0).random((rows, 1024), np.float32)  # (pages of equal values may be shared)
