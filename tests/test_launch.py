@@ -1,6 +1,7 @@
-"""The run as separate processes: `areal-jax launch local` with one trainer and two rollout servers, one
-server SIGKILLed mid-run and restarted by the launcher. The run completes; every trained group and every
-log record is unique, each server wrote only its own group ids, and the staleness bound holds."""
+"""The run as separate processes: `areal-jax launch local` with one trainer and two rollout servers (weights
+on the direct path), one server SIGKILLed mid-run and restarted by the launcher. The run completes; every
+trained group and every log record is unique, each server wrote only its own group ids, and the staleness
+bound holds."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ RUN = [
     "dataset.heldout=0",
     "eval.every_steps=0",
     "cluster.status_every_s=0.2",
+    "cluster.weight_transfer=direct",  # the steady state pulled directly; the restarted server starts from Orbax
 ]
 
 
@@ -78,6 +80,7 @@ def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
     metrics = load_metrics(run_dir / "metrics.jsonl")
     assert [m["train/version"] for m in metrics] == list(range(1, STEPS + 1))
     assert max(m["rollout/staleness_max"] for m in metrics) <= ETA
+    assert metrics[-1]["weights/direct_loads"] > 0
     assert all(m["rollout/servers_reporting"] == 2 for m in metrics[2:])
 
     trained = [

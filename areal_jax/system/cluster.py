@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from areal_jax.configuration import Config, ConfigError, option
 
@@ -43,6 +43,23 @@ class ClusterConfig(Config):
     )
     restarts: int = option(3, ge=0, doc="launch local: restarts of a rollout server that dies before the run ends")
     status_every_s: float = option(2.0, gt=0, doc="how often a rollout server writes control/rollout-<i>.json")
+    weight_transfer: Literal["orbax", "direct"] = option(
+        "orbax",
+        doc="how new weight versions reach the rollout servers: orbax = through the store in <run>/weights; "
+        "direct = pulled from the trainer's memory by JAX's transfer server, with the store kept for "
+        "(re)started servers and failed pulls (docs/distributed.md)",
+    )
+    direct_timeout_s: float = option(
+        30.0,
+        gt=0,
+        doc="direct: how long a version stays offered to a server that has not pulled it, and how long a "
+        "pull may take before the server loads that version from the store",
+    )
+    direct_host: str | None = option(
+        None,
+        doc="direct: the host name or IP each process's transfer server binds; the trainer's must be "
+        "reachable from every rollout server; null = the address of this host's name",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +168,12 @@ class ControlFiles:
         only then (a resumed trainer first sets the log's unread shards aside and drops newer versions)."""
         return self.directory / "trainer.json"
 
+    @property
+    def direct_weights_path(self) -> Path:
+        """The direct weight path's announcement (`weights/direct.py`): the version on offer and how to pull
+        it; written by the trainer, read by the servers."""
+        return self.directory / "weights-direct.json"
+
     def trainer_starting(self) -> None:
         self.ready_path.unlink(missing_ok=True)
 
@@ -197,3 +220,34 @@ class ControlFiles:
 def sum_statuses(statuses: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
     """The servers' counters added up (the trainer's view of the whole rollout side)."""
     return {key: float(sum(s.get(key, 0) for s in statuses)) for key in keys}
+
+
+WEIGHT_SOURCES = ("direct", "orbax")
+DIRECT_FALLBACKS = "weights_direct_fallbacks"  # a server's direct pulls that failed (the store delivered)
+
+
+def weight_load_status(source: str, loads: int, load_seconds: float, lag_seconds: float | None) -> dict[str, float]:
+    """A server's status entries for its weight loads by `source`: how many, and the last one's load time
+    and lag (from the version becoming loadable by that path to its use; left out when unknown)."""
+    status = {f"weights_{source}_loads": float(loads), f"weights_{source}_load_seconds": load_seconds}
+    if lag_seconds is not None:
+        status[f"weights_{source}_lag_seconds"] = lag_seconds
+    return status
+
+
+def weight_path_stats(statuses: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The trainer's metrics of the weight path over every server: loads per path and failed direct pulls
+    (summed), the slowest server's last load time and lag per path. Paths no server used are left out."""
+    stats: dict[str, float] = {}
+    for source in WEIGHT_SOURCES:
+        loads = f"weights_{source}_loads"
+        if not any(loads in s for s in statuses):
+            continue
+        stats[f"weights/{source}_loads"] = sum_statuses(statuses, (loads,))[loads]
+        for measure in ("load_seconds", "lag_seconds"):
+            values = [s[f"weights_{source}_{measure}"] for s in statuses if f"weights_{source}_{measure}" in s]
+            if values:
+                stats[f"weights/{source}_{measure}_max"] = float(max(values))
+    if any(DIRECT_FALLBACKS in s for s in statuses):
+        stats["weights/direct_fallbacks"] = sum_statuses(statuses, (DIRECT_FALLBACKS,))[DIRECT_FALLBACKS]
+    return stats

@@ -3,9 +3,11 @@ trainer is another process.
 
 It waits for the trainer's first weight version in `<run>/weights`, loads it onto this host's devices, and
 generates its groups (`cluster.py`: ids g % N == i, its share of the staleness bound) into the rollout
-log, as far ahead as its share allows. A follower thread polls the weight store; each new version is
-loaded straight onto the inference shardings and swapped in (interrupting in-flight generation or draining
-first, by `rollout.interrupt`), then admission follows the new version. Server 0 also evaluates the
+log, as far ahead as its share allows. A follower thread polls the weight path (`weight_paths.py`: the
+store, or the direct path's announcements beside it); each new version is loaded straight onto the
+inference shardings and swapped in (interrupting in-flight generation or draining first, by
+`rollout.interrupt`), then admission follows the new version. Its status file counts the loads per path
+with the last one's load time and lag, which the trainer's metrics report. Server 0 also evaluates the
 held-out split at the versions `eval.every_steps` names. The server ends when the trainer writes the stop
 marker, when its prompts run out (`control/rollout-<i>.done`) or when its failure budget is spent
 (`control/rollout-<i>.failed`, which stops the trainer too). A restarted server issues again the groups it
@@ -38,9 +40,16 @@ from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.sharding import make_mesh
 from areal_jax.system.assembly import abstract_policy, build_prompts, build_tokenizer, build_workflow
-from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, resume_point, server_group_ids
-from areal_jax.weights.base import abstract_target
-from areal_jax.weights.orbax_store import OrbaxWeightSubscriber
+from areal_jax.system.cluster import (
+    DIRECT_FALLBACKS,
+    WEIGHTS_DIR,
+    ControlFiles,
+    resume_point,
+    server_group_ids,
+    weight_load_status,
+)
+from areal_jax.system.weight_paths import open_subscriber
+from areal_jax.weights.base import WeightSubscriber, abstract_target
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +71,10 @@ class RolloutServerSummary:
 @dataclasses.dataclass(frozen=True)
 class _Loaded:
     version: int
+    source: str  # "orbax" or "direct"
     load_seconds: float
-    lag_seconds: float  # from the version's commit in the store to its use by the generator
+    lag_seconds: float | None  # from the version becoming loadable by that path to its use by the generator
+    fell_back: bool  # a direct pull failed and the store delivered
 
 
 def run_rollout_server(
@@ -81,7 +92,7 @@ def run_rollout_server(
     policy = abstract_policy(cfg, tokenizer)
     engine = Engine(policy, cfg.rollout.engine, mesh)
     target = abstract_target(nnx.state(policy), engine.param_shardings)  # what each version is loaded onto
-    subscriber = _wait_for_trainer(control, run_dir / WEIGHTS_DIR, cfg, stop_event)
+    subscriber = _wait_for_trainer(control, run_dir / WEIGHTS_DIR, cfg, server, stop_event)
     if subscriber is None:
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     try:
@@ -147,9 +158,9 @@ def run_rollout_server(
 
 
 def _wait_for_trainer(
-    control: ControlFiles, directory: Path, cfg: ExperimentConfig, stop_event: threading.Event
-) -> OrbaxWeightSubscriber | None:
-    """The trainer's weight store once the trainer says it is ready (it creates or restores the run and
+    control: ControlFiles, directory: Path, cfg: ExperimentConfig, server: int, stop_event: threading.Event
+) -> WeightSubscriber | None:
+    """The trainer's weight path once the trainer says it is ready (it creates or restores the run and
     publishes its version first); None when stopped first."""
     deadline = time.monotonic() + cfg.cluster.start_timeout_s
     while control.ready_trainer() is None or not directory.is_dir():
@@ -160,25 +171,15 @@ def _wait_for_trainer(
                 f"no weight version appeared in {directory} within cluster.start_timeout_s="
                 f"{cfg.cluster.start_timeout_s} s: is the trainer (`areal-jax trainer`) running on this run?"
             )
-    return OrbaxWeightSubscriber(
-        directory, poll_initial_s=cfg.cluster.weights_poll_s, poll_max_s=cfg.cluster.weights_poll_s
-    )
-
-
-def _commit_time(store: Path, version: int) -> float | None:
-    """When `version` was committed (its directory's rename), for the weight-path latency."""
-    try:
-        return (store / str(version)).stat().st_mtime
-    except OSError:
-        return None
+    return open_subscriber(cfg, server)
 
 
 class _WeightFollower(threading.Thread):
-    """Polls the weight store and swaps each new version into the generator, then into admission."""
+    """Polls the weight path and swaps each new version into the generator, then into admission."""
 
     def __init__(
         self,
-        subscriber: OrbaxWeightSubscriber,
+        subscriber: WeightSubscriber,
         engine: Engine,
         generator: Generator,
         staleness: StalenessManager,
@@ -205,9 +206,8 @@ class _WeightFollower(threading.Thread):
                 self.generator.update_params(weights.params, weights.version, interrupt=self.interrupt).result()
                 self.staleness.set_version(weights.version)
                 self.version = weights.version
-                committed = _commit_time(Path(self.subscriber.directory), weights.version)
-                lag = time.time() - committed if committed is not None else float("nan")
-                self.loaded.put(_Loaded(weights.version, weights.seconds, lag))
+                lag = time.time() - weights.published_at if weights.published_at is not None else None
+                self.loaded.put(_Loaded(weights.version, weights.source, weights.seconds, lag, weights.fell_back))
         except BaseException as err:  # reported by the server's loop, which stops the server
             logger.exception("loading new weights failed")
             self.error = err
@@ -232,7 +232,8 @@ class _Serving:
         self.generator, self.controller, self.workflow, self.heldout = generator, controller, workflow, heldout
         self.loaded = loaded
         self.versions_loaded = 0
-        self.weights: dict[str, float] = {}
+        self.loads_by_source: dict[str, int] = {}
+        self.weights: dict[str, float] = {DIRECT_FALLBACKS: 0} if cfg.cluster.weight_transfer == "direct" else {}
 
     def run(self, stop_event: threading.Event) -> str:
         every = self.cfg.cluster.status_every_s
@@ -251,16 +252,19 @@ class _Serving:
             except queue.Empty:
                 news = None
             if news is not None:
-                self.versions_loaded += 1
-                self.weights = {
-                    "weights_version": news.version,
-                    "weights_load_seconds": news.load_seconds,
-                    "weights_lag_seconds": news.lag_seconds,
-                }
+                self._count_load(news)
                 self._maybe_evaluate(news.version)
             if time.monotonic() >= next_status:
                 self.write_status()
                 next_status = time.monotonic() + every
+
+    def _count_load(self, news: _Loaded) -> None:
+        self.versions_loaded += 1
+        loads = self.loads_by_source[news.source] = self.loads_by_source.get(news.source, 0) + 1
+        self.weights.update(weight_load_status(news.source, loads, news.load_seconds, news.lag_seconds))
+        self.weights["weights_version"] = news.version
+        if news.fell_back:
+            self.weights[DIRECT_FALLBACKS] = self.weights.get(DIRECT_FALLBACKS, 0) + 1
 
     def write_status(self) -> None:
         stats = dataclasses.asdict(self.generator.stats)

@@ -28,11 +28,11 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.inference.generator import GeneratorStats
 from areal_jax.sharding import make_mesh
 from areal_jax.system.async_rl import RunSummary, train
-from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses
+from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
 from areal_jax.system.reporting import QUEUE
+from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer
-from areal_jax.weights.base import checkpoint_location
-from areal_jax.weights.orbax_store import OrbaxWeightPublisher
+from areal_jax.weights.base import WeightPublisher, checkpoint_location
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RemoteRollouts:
         self.control.clear()
         store = self.cfg.run_dir / WEIGHTS_DIR
         _drop_versions_after(store, trainer.version)
-        publisher = OrbaxWeightPublisher(store, max_to_keep=self.cfg.cluster.weights_keep)
+        publisher = open_publisher(self.cfg)
         try:
             if publisher.latest_version() != trainer.version:
                 publisher.publish(trainer.params, trainer.version)
@@ -68,7 +68,7 @@ class RemoteRollouts:
         finally:
             publisher.close()
 
-    def _publish(self, publisher: OrbaxWeightPublisher, params: Any, version: int) -> None:
+    def _publish(self, publisher: WeightPublisher, params: Any, version: int) -> None:
         started = time.perf_counter()
         publisher.publish(params, version)
         self.publish_seconds = time.perf_counter() - started
@@ -90,9 +90,7 @@ class RemoteRollouts:
         stats[QUEUE] = sum_statuses(statuses, ("queue",))["queue"]
         stats["rollout/servers_reporting"] = float(len(statuses))
         stats["weights/publish_blocking_seconds"] = self.publish_seconds
-        lags = [s["weights_lag_seconds"] for s in statuses if "weights_lag_seconds" in s]
-        if lags:
-            stats["weights/orbax_lag_seconds_max"] = float(max(lags))
+        stats.update(weight_path_stats(statuses))
         return stats
 
     def next_group_id(self) -> int:

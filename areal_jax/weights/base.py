@@ -22,6 +22,9 @@ class LoadedWeights:
     version: int
     nbytes: int
     seconds: float
+    source: str = "orbax"  # the path they came by: "orbax" (the store) or "direct" (the transfer server)
+    published_at: float | None = None  # wall-clock time the version became loadable by that path, if known
+    fell_back: bool = False  # a direct pull failed and the store delivered instead
 
 
 class WeightPublisher(Protocol):

@@ -189,11 +189,18 @@ class OrbaxWeightSubscriber:
                 seconds,
                 nbytes / max(seconds, 1e-9) / 1e6,
             )
-            return LoadedWeights(params, version, nbytes, seconds)
+            return LoadedWeights(params, version, nbytes, seconds, published_at=self._commit_time(version))
         raise RuntimeError(
             f"gave up loading weights from {self.directory} after {_LOAD_ATTEMPTS} attempts: "
             "versions keep vanishing while being read; raise the publisher's max_to_keep"
         )
+
+    def _commit_time(self, version: int) -> float | None:
+        """When `version` was committed (its directory's rename); None where unknown (e.g. on GCS)."""
+        try:
+            return os.stat(os.path.join(os.fspath(self.directory), str(version))).st_mtime
+        except OSError:
+            return None
 
     def close(self) -> None:
         self._closed.set()

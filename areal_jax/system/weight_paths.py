@@ -1,0 +1,47 @@
+"""The weight path between the trainer and the rollout servers, as `cluster.weight_transfer` chooses: the
+Orbax store in `<run>/weights` alone, or the direct transfer path beside it (`weights/direct.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles
+from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber
+from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
+
+
+def open_publisher(cfg: ExperimentConfig) -> OrbaxWeightPublisher | DirectWeightPublisher:
+    """The trainer's end."""
+    cluster = cfg.cluster
+    store = OrbaxWeightPublisher(cfg.run_dir / WEIGHTS_DIR, max_to_keep=cluster.weights_keep)
+    if cluster.weight_transfer == "orbax":
+        return store
+    return DirectWeightPublisher(
+        _announcement(cfg),
+        store,
+        pullers=cluster.rollout_servers,
+        timeout_s=cluster.direct_timeout_s,
+        host=cluster.direct_host,
+    )
+
+
+def open_subscriber(cfg: ExperimentConfig, server: int) -> OrbaxWeightSubscriber | DirectWeightSubscriber:
+    """Rollout server `server`'s end."""
+    cluster = cfg.cluster
+    poll = cluster.weights_poll_s
+    store = OrbaxWeightSubscriber(cfg.run_dir / WEIGHTS_DIR, poll_initial_s=poll, poll_max_s=poll)
+    if cluster.weight_transfer == "orbax":
+        return store
+    return DirectWeightSubscriber(
+        _announcement(cfg),
+        store,
+        puller=server,
+        timeout_s=cluster.direct_timeout_s,
+        host=cluster.direct_host,
+        poll_s=poll,
+    )
+
+
+def _announcement(cfg: ExperimentConfig) -> Path:
+    return ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).direct_weights_path

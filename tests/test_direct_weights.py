@@ -1,0 +1,258 @@
+"""The direct weight path (JAX's transfer server) beside the Orbax store: bit-identical delivery across
+processes and layouts, the fall-back to the store, offers that expire, and its config and metrics."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from areal_jax.config import load_experiment
+from areal_jax.configuration import ConfigError
+from areal_jax.system.cluster import ClusterConfig, weight_load_status, weight_path_stats, write_json_atomic
+from areal_jax.weights import OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
+from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber, read_announcement
+from areal_jax.weights.pieces import LeafSpec, distinct_shards, plan_leaf
+from tests.direct_weights_worker import as_bytes, source_params
+from tests.test_weights import worker_env
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "tests" / "direct_weights_worker.py")
+
+
+def _start_worker(run: Path, puller: int, devices: int, out: Path, plan: list[str]) -> subprocess.Popen:
+    command = [sys.executable, WORKER, str(run), str(puller), str(out), *plan]
+    return subprocess.Popen(command, env=worker_env(devices), stdout=subprocess.PIPE, text=True)
+
+
+def _expect_line(worker: subprocess.Popen, line: str) -> None:
+    got = worker.stdout.readline().strip()
+    assert got == line, f"worker said {got!r}, expected {line!r} (exit status {worker.poll()})"
+
+
+@pytest.mark.multiprocess
+def test_direct_and_orbax_deliver_bit_identical_weights_to_two_servers_on_other_layouts(tmp_path: Path) -> None:
+    """The trainer (this process) holds params on a 2-device mesh; server 0 (1 device) loads every version
+    whole on one device, server 1 (4 devices) loads version 1 cut another way (resharded on arrival) and
+    version 2 cut as the trainer's (pieces land as its own shards). Each version is pulled directly by both
+    servers and restored from the store by both: every byte agrees with what was published."""
+    publisher = DirectWeightPublisher(
+        tmp_path / "announcement.json", OrbaxWeightPublisher(tmp_path / "weights"), pullers=2, timeout_s=30
+    )
+    workers = [
+        _start_worker(tmp_path, 0, 1, tmp_path / "server0.npz", ["1:one", "2:one"]),
+        _start_worker(tmp_path, 1, 4, tmp_path / "server1.npz", ["1:four", "2:same"]),
+    ]
+    published = {}
+    try:
+        for worker in workers:
+            _expect_line(worker, "ready")
+        for version in (1, 2):
+            published[version] = source_params(jax.devices()[:2], version)
+            publisher.publish(published[version], version)
+            for worker in workers:  # both take version 1 before version 2 replaces the announcement
+                _expect_line(worker, f"loaded {version}")
+        for worker in workers:
+            assert worker.wait(timeout=60) == 0
+    finally:
+        for worker in workers:
+            worker.kill()
+        publisher.close()
+    for out in ("server0.npz", "server1.npz"):
+        loaded = dict(np.load(tmp_path / out))
+        for version, params in published.items():
+            assert str(loaded[f"source/{version}"]) == "direct", (out, version)
+            for key, value in params.items():
+                expected = as_bytes(value)
+                np.testing.assert_array_equal(loaded[f"direct/{version}/{key}"], expected, err_msg=f"{out} {key}")
+                np.testing.assert_array_equal(loaded[f"orbax/{version}/{key}"], expected, err_msg=f"{out} {key}")
+
+
+def assert_same_bytes(got: dict[str, jax.Array], want: dict[str, jax.Array]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(as_bytes(got[key]), as_bytes(want[key]), err_msg=key)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(tmp_path: Path) -> None:
+    """Taken, incompatible (another transfer server shape, other leaves) and unreachable offers each cost at
+    most the timeout, then the store delivers the same version; a subscriber opened after an announcement
+    loads that version from the store (a restarted server); a version on neither path is an error, not a
+    hang."""
+    timeout = 1.0
+    announcement = tmp_path / "announcement.json"
+    publisher = DirectWeightPublisher(  # offers outlive the synchronous store save that follows them
+        announcement, OrbaxWeightPublisher(tmp_path / "weights", async_save=False), pullers=1, timeout_s=60
+    )
+    subscribers = [  # the first one's pulls must succeed even on a loaded machine; the second one's fail fast
+        DirectWeightSubscriber(announcement, OrbaxWeightSubscriber(tmp_path / "weights"), puller=0, timeout_s=t)
+        for t in (60, timeout)
+    ]
+    first, second = subscribers
+    params = {v: source_params(jax.devices()[:2], v) for v in (1, 2, 3)}
+    target = abstract_target(params[1])
+    try:
+        publisher.publish(params[1], 1)
+        assert first.latest_version() == 1
+        pulled = first.load(1, target)
+        assert (pulled.source, pulled.fell_back) == ("direct", False)
+        assert_same_bytes(pulled.params, params[1])
+
+        started = time.monotonic()  # puller 0's offer of version 1 is taken: wait out the timeout, then the store
+        fallback = second.load(1, target)
+        assert (fallback.version, fallback.source, fallback.fell_back) == (1, "orbax", True)
+        assert timeout <= time.monotonic() - started < timeout + 5
+        assert_same_bytes(fallback.params, params[1])
+
+        publisher.publish(params[2], 2)
+        forged = read_announcement(announcement).to_json()
+        write_json_atomic(announcement, {**forged, "streams": forged["streams"] + 1})
+        started = time.monotonic()  # a transfer server of another shape: refused before dialling it
+        fallback = second.load(2, target)
+        assert (fallback.version, fallback.source, fallback.fell_back) == (2, "orbax", True)
+        assert time.monotonic() - started < timeout
+        assert_same_bytes(fallback.params, params[2])
+        renamed = ["['renamed']", *forged["paths"][1:]]
+        write_json_atomic(announcement, {**forged, "paths": renamed})
+        started = time.monotonic()  # leaves that do not match the target's by path: refused before pulling
+        fallback = second.load(2, target)
+        assert (fallback.version, fallback.source, fallback.fell_back) == (2, "orbax", True)
+        assert time.monotonic() - started < timeout
+
+        publisher.publish(params[3], 3)
+        forged = read_announcement(announcement).to_json()
+        write_json_atomic(announcement, {**forged, "address": f"127.0.0.1:{_free_port()}"})
+        started = time.monotonic()  # the trainer is gone
+        fallback = second.load(3, target)
+        assert (fallback.version, fallback.source, fallback.fell_back) == (3, "orbax", True)
+        assert timeout <= time.monotonic() - started < timeout + 5
+        assert_same_bytes(fallback.params, params[3])
+
+        late = DirectWeightSubscriber(announcement, OrbaxWeightSubscriber(tmp_path / "weights"), puller=0, timeout_s=1)
+        subscribers.append(late)
+        assert late.latest_version() == 3
+        stored = late.load(3, target)
+        assert (stored.source, stored.fell_back) == ("orbax", False)
+
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="version 4 reached neither"):
+            late.load(4, target)
+        assert time.monotonic() - started < timeout + 5
+    finally:
+        for subscriber in subscribers:
+            subscriber.close()
+        publisher.close()
+    assert not announcement.exists()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_offers_nobody_pulls_are_freed_once_expired(tmp_path: Path) -> None:
+    """Two pullers share one copy per version; versions offered and never pulled (superseded, or their
+    server dead) hold their copy until the timeout, and are freed when the next version is offered."""
+    timeout, megabytes = 3.0, 64  # two serves of 64 MB well within the timeout, even under load
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    rows = megabytes * 2**20 // 4 // 1024
+    value = np.random.default_rng(0).random((rows, 1024), np.float32)  # (pages of equal values may be shared)
+    params = {"w": jax.device_put(value, NamedSharding(mesh, P("x")))}
+    publisher = DirectWeightPublisher(
+        tmp_path / "announcement.json", OrbaxWeightPublisher(tmp_path / "weights"), pullers=2, timeout_s=timeout
+    )
+    try:
+        publisher.serve(params, 1)
+        before = _resident_bytes()
+        publisher.serve(params, 2)  # version 1's offers have not expired: two copies are held
+        held = _resident_bytes() - before
+        assert 0.75 * megabytes * 2**20 < held < 1.5 * megabytes * 2**20
+        time.sleep(timeout + 0.2)
+        publisher.serve(params, 3)  # drops the expired offers of versions 1 and 2
+        deadline = time.monotonic() + 5
+        while _resident_bytes() - before > megabytes * 2**20 / 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _resident_bytes() - before < megabytes * 2**20 / 4
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize(
+    ("source", "target_mesh", "target", "direct"),
+    [
+        (P("x", None), (2, 4), P("x", None), True),  # the same cut (each half held by 4 replicas)
+        (P("x", "y"), (2, 4), P("x", "y"), True),
+        (P("x", None), (4, 2), P(None, "x"), False),
+        (P(), (4, 2), P("x", None), False),
+        (P("x", "y"), (4, 2), P("y", None), False),
+        (P("x", "y"), (4, 2), P("x", "y"), False),  # each target shard cut from parts of two pieces
+        (P(None, "y"), (4, 2), P("y", "x"), False),
+        (P("x", "y"), (1, 1), P(), False),
+    ],
+)
+def test_pieces_rebuild_each_leaf_on_the_target_sharding(
+    source: P, target_mesh: tuple[int, int], target: P, direct: bool
+) -> None:
+    """Without a transfer: the distinct shards of a leaf, placed as the plan says, rebuild it exactly on the
+    target sharding (other devices, other order); straight into the target's own shards when the cuts agree."""
+    devices = np.array(jax.devices()[:8])
+    leaf = jax.device_put(
+        np.arange(8 * 12, dtype=np.float32).reshape(8, 12),
+        NamedSharding(Mesh(devices.reshape(2, 4), ("x", "y")), source),
+    )
+    size = target_mesh[0] * target_mesh[1]
+    target_sharding = NamedSharding(Mesh(devices[::-1][:size].reshape(target_mesh), ("x", "y")), target)
+    shards = distinct_shards(leaf)
+    assert len(shards) == len({str(s.index) for s in leaf.addressable_shards})  # each distinct index once
+    spec = LeafSpec(leaf.shape, str(leaf.dtype), tuple(index for index, _ in shards))
+    plan = plan_leaf(spec, target_sharding)
+    assert plan.direct == direct
+    pulled = [jax.device_put(piece, device) for (_, piece), device in zip(shards, plan.devices, strict=True)]
+    rebuilt = plan.build(pulled)
+    assert rebuilt.sharding == target_sharding
+    np.testing.assert_array_equal(np.asarray(rebuilt), np.asarray(leaf))
+
+
+def test_weight_transfer_is_a_validated_option() -> None:
+    assert ClusterConfig().weight_transfer == "orbax"
+    with pytest.raises(ConfigError, match=r"weight_transfer.*'orbax', 'direct'"):
+        ClusterConfig(weight_transfer="grpc")
+    with pytest.raises(ConfigError) as info:
+        load_experiment(None, ["cluster.weight_transfer=grpc"])
+    assert info.value.key == "cluster.weight_transfer"
+    with pytest.raises(ConfigError) as info:
+        load_experiment(None, ["cluster.direct_timeout_s=0"])
+    assert info.value.key == "cluster.direct_timeout_s"
+    cfg = load_experiment(ROOT / "configs" / "train_cpu.yaml", ["cluster.weight_transfer=direct"])
+    assert cfg.cluster.weight_transfer == "direct"
+
+
+def test_the_trainer_reports_each_weight_path_over_all_servers() -> None:
+    statuses = [
+        {**weight_load_status("direct", 3, 0.2, 0.25), **weight_load_status("orbax", 1, 0.9, None)},
+        {**weight_load_status("direct", 2, 0.4, 0.5), "weights_direct_fallbacks": 1},
+        {"accepted": 4},  # a server that has loaded nothing new yet
+    ]
+    assert weight_path_stats(statuses) == {
+        "weights/direct_loads": 5.0,
+        "weights/direct_load_seconds_max": 0.4,
+        "weights/direct_lag_seconds_max": 0.5,
+        "weights/orbax_loads": 1.0,
+        "weights/orbax_load_seconds_max": 0.9,
+        "weights/direct_fallbacks": 1.0,
+    }
+    assert weight_path_stats([{"accepted": 1}]) == {}
