@@ -168,6 +168,7 @@ def train(
     run_dir = cfg.run_dir
     latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
     plan = check_run_dir(cfg, resume, overwrite, latest)  # every process: the same refusals
+    processes.barrier("areal-run-dir-checked")  # before process 0 changes what the others check
     processes.on_primary(lambda: start_run_dir(cfg, plan))
     _check_several_processes(cfg, processes)
     tokenizer = build_tokenizer(cfg)

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from areal_jax.config import ExperimentConfig
@@ -152,7 +151,7 @@ def run_trainer(
 ) -> RunSummary:
     """Train `cfg.train_steps` steps on what the rollout servers write (see the module docstring)."""
     initialize_distributed(cfg.distributed)
-    if jax.process_index() == 0:
+    if TrainerProcesses().primary:
         ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).trainer_starting()
     mesh = make_mesh(cfg.mesh)  # every device of every trainer process
     return train(
