@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from areal_jax.cli import EXIT_RESUMABLE
 from areal_jax.config import ExperimentConfig
 from areal_jax.system.cluster import ControlFiles
 
@@ -199,12 +200,13 @@ def launch_local(
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     restarts = {spec.name: 0 for spec in server_specs}
-    ending: float | None = None  # when the trainer's other processes were told to end (one of them failed)
+    failure: tuple[int, float] | None = None  # a failed trainer process's exit status, when the others were told
     try:
         while any(trainer.poll() is None for trainer in trainers):
             time.sleep(0.2)
-            ending = _end_with_a_failed_trainer_process(trainers, ending)
-            if interrupted.is_set() or ending is not None:
+            if not interrupted.is_set():  # (then every trainer process saves and exits on its own)
+                failure = _end_with_a_failed_trainer_process(trainers, failure)
+            if interrupted.is_set() or failure is not None:
                 continue
             if len(children) == len(trainers):  # the servers start once the trainer has restored and published
                 ready = control.ready_trainer()
@@ -226,7 +228,7 @@ def launch_local(
                 )
                 children[spec.name] = _Child(spec, env)
         codes = [trainer.wait() for trainer in trainers]
-        code = next((c for c in codes if c != 0), 0)  # process 0's first
+        code = failure[0] if failure is not None else next((c for c in codes if c != 0), 0)
         servers = list(children.values())[len(trainers) :]
         if code != 0:  # no stop marker may have been written: stop the servers now
             for child in servers:
@@ -248,18 +250,22 @@ def launch_local(
                 child.signal(signal.SIGKILL)
 
 
-def _end_with_a_failed_trainer_process(trainers: list[_Child], ending: float | None) -> float | None:
-    """Once a trainer process has failed, SIGTERM the others (they cannot go on without it), and SIGKILL
-    those still running after the grace period. When the ending began (None: no process failed)."""
-    if ending is None:
-        failed = [(t.spec.name, code) for t in trainers if (code := t.poll()) is not None and code != 0]
+def _end_with_a_failed_trainer_process(
+    trainers: list[_Child], failure: tuple[int, float] | None
+) -> tuple[int, float] | None:
+    """Once a trainer process has failed (exited, neither done nor stopped after its checkpoint), SIGTERM the
+    others (they cannot go on without it), and SIGKILL those still running after the grace period.
+    Returns (its exit status, when the others were told), or None while none has failed."""
+    if failure is None:
+        ended = ((t.spec.name, t.poll()) for t in trainers)
+        failed = [(name, code) for name, code in ended if code is not None and code not in (0, EXIT_RESUMABLE)]
         if not failed or len(trainers) == 1:
             return None
         logger.error("trainer process %s exited %d; ending the others (continue with --resume)", *failed[0])
         for trainer in trainers:
             trainer.signal(signal.SIGTERM)
-        return time.monotonic()
-    if time.monotonic() - ending > _GRACE_S:
+        return failed[0][1], time.monotonic()
+    if time.monotonic() - failure[1] > _GRACE_S:
         for trainer in trainers:
             trainer.signal(signal.SIGKILL)
-    return ending
+    return failure
