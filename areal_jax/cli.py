@@ -147,6 +147,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         args.rest,
         rollout_servers=args.rollout,
         trainer_cores=args.trainer_cores,
+        trainer_processes=args.trainer_processes,
         resume=args.resume,
         overwrite=args.overwrite,
     )
@@ -203,6 +204,13 @@ def _cmd_profile_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a count of processes (at least 1)")
+    return value
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """--resume, --overwrite and the config with its overrides: the arguments of a command that trains."""
     parser.add_argument("--resume", action="store_true", help="continue from the newest training checkpoint")
@@ -251,10 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
     local = launch_where.add_parser(
         "local",
         parents=[debug],
-        help="one trainer and N rollout servers on this machine, each role on its own CPU cores",
+        help="the trainer (M processes) and N rollout servers on this machine, each role on its own CPU cores",
     )
     local.add_argument("--rollout", type=int, default=1, help="rollout server processes")
     local.add_argument("--trainer-cores", type=int, help="CPU cores of the trainer (default: half)")
+    local.add_argument(
+        "--trainer-processes",
+        type=_at_least_one,
+        default=1,
+        help="trainer processes (jax.distributed on localhost, one global mesh); they share the trainer's cores",
+    )
     _add_run_arguments(local)
     local.set_defaults(func=_cmd_launch)
     sft = sub.add_parser(

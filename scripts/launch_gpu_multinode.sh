@@ -51,7 +51,7 @@ run mkdir -p "$LOG_DIR"
 trainer_hosts=$(IFS=,; echo "${hosts[*]:0:TRAINER_NODES}")
 step srun "--nodes=$TRAINER_NODES" "--ntasks-per-node=$GPUS_PER_NODE" "--gpus-per-node=$GPUS_PER_NODE" \
   "--nodelist=$trainer_hosts" --kill-on-bad-exit=1 "--output=$LOG_DIR/$RUN-trainer-%t.log" \
-  "$VENV/bin/areal-jax" trainer "$CONFIG" "${common[@]}"
+  "$VENV/bin/areal-jax" trainer "$CONFIG" distributed.enabled=true "${common[@]}"
 for ((i = 0; i < ROLLOUT_SERVERS; i++)); do
   step srun --nodes=1 --ntasks=1 "--gpus-per-node=$GPUS_PER_NODE" "--nodelist=${hosts[TRAINER_NODES + i]}" \
     "--output=$LOG_DIR/$RUN-rollout-$i.log" "$VENV/bin/areal-jax" rollout "$CONFIG" --server "$i" "${common[@]}"

@@ -10,7 +10,7 @@ import pytest
 
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager, server_share
 from areal_jax.system.cluster import ControlFiles, ResumePoint, owns_group, resume_point, server_group_ids
-from areal_jax.system.launcher import role_specs, split_cores
+from areal_jax.system.launcher import role_specs, share_cores, split_cores
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 5])
@@ -85,6 +85,23 @@ def test_role_command_lines() -> None:
     assert specs[0].argv[-5:] == ("trainer", "--resume", "c.yaml", "seed=1", "cluster.rollout_servers=2")
     assert specs[2].argv[-5:] == ("--server", "1", "c.yaml", "seed=1", "cluster.rollout_servers=2")
     assert specs[1].cores == frozenset({1})
+
+
+def test_a_trainer_over_several_processes_joins_one_coordinator_on_its_own_cores() -> None:
+    specs = role_specs(["c.yaml"], 1, frozenset({0, 1, 2}), frozenset({3}), trainer_processes=2, coordinator_port=9)
+    assert [s.name for s in specs] == ["trainer0", "trainer1", "rollout0"]
+    for i, spec in enumerate(specs[:2]):
+        assert spec.argv[-6:] == (
+            "c.yaml",
+            "cluster.rollout_servers=1",
+            "distributed.enabled=true",
+            "distributed.coordinator_address=127.0.0.1:9",
+            "distributed.num_processes=2",
+            f"distributed.process_id={i}",
+        )
+    assert [s.cores for s in specs] == [frozenset({0}), frozenset({1, 2}), frozenset({3})]
+    assert share_cores(frozenset({5}), 3) == [frozenset({5})] * 3  # fewer cores than processes: shared
+    assert share_cores(frozenset(range(4)), 2) == [frozenset({0, 1}), frozenset({2, 3})]
 
 
 def test_a_resumed_trainer_drops_the_weight_versions_of_its_lost_future(tmp_path: Path) -> None:

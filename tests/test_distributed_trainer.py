@@ -1,19 +1,47 @@
-"""The trainer over two processes (`jax.distributed` on localhost, gloo CPU collectives, 4 devices each)
-against one process with 8 devices: the same params after 3 steps on the same batches, and a checkpoint
-saved and restored by both processes together."""
+"""The `areal-jax trainer` role over two processes (`jax.distributed` on localhost, gloo CPU collectives, 4
+devices each) against the same role in one process with 8 devices, on the same rollout log.
+
+The test writes the log as a rollout server would: into each run directory once its trainer has published
+and written its ready marker. The two-process run trains 2 steps, checkpoints and ends, then is resumed
+(`--resume`, both processes restore the checkpoint together) for step 3 on groups written after its ready
+marker; the one-process run trains 3 steps straight. Both processes train the same batches in the same
+order (each logs a digest of what it trained), the final params (the HF export) equal the one-process
+run's, and process 0 alone wrote the metrics, the trained groups and the train log.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
 
-WORKER = Path(__file__).with_name("distributed_trainer_worker.py")
-ROOT = WORKER.parent.parent
+from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from areal_jax.system.async_rl import load_metrics
+from tests.rollout_log_worker import make_trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS, SAMPLES, VOCAB = 4, 2, 27  # per step; the char tokenizer's vocabulary (configs/train_cpu.yaml)
+RUN = [
+    "configs/train_cpu.yaml",
+    f"rollout.staleness.batch_prompts={GROUPS}",
+    f"rollout.workflow.n_samples={SAMPLES}",
+    "trainer.packing.token_budget=512",
+    "trainer.packing.rows=8",  # one row per device of the fsdp=8 mesh
+    "train_checkpoint.every_steps=100",  # the last step's checkpoint only
+    "dataset.heldout=0",
+    "eval.every_steps=0",
+    "report.plots=false",
+    "report.live=never",
+]
+DIGEST = re.compile(r"batch of step (\d+) on process (\d+): .* digest ([0-9a-f]{8})")
 
 
 def _free_port() -> int:
@@ -22,30 +50,102 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(out: Path, process_id: int, processes: int, port: int, checkpoints: Path, devices: int) -> subprocess.Popen:
+def _trainer(tmp_path: Path, name: str, devices: int, *args: str) -> subprocess.Popen:
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))
     env = {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
-    command = [sys.executable, str(WORKER), str(out), str(process_id), str(processes), str(port), str(checkpoints)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    flags = [a for a in args if a.startswith("--")]  # before the config: argparse ends `rest` at a flag
+    command = [sys.executable, "-m", "areal_jax.cli", "trainer", *flags, *RUN]
+    command += [f"output_dir={tmp_path}", f"name={name}", f"compilation_cache_dir={cache}"]
+    command += [a for a in args if not a.startswith("--")]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_two_trainer_processes_match_one_and_checkpoint_together(tmp_path: Path) -> None:
+def _two_processes(tmp_path: Path, *args: str) -> list[subprocess.Popen]:
     port = _free_port()
-    workers = [_worker(tmp_path / f"two-{i}.npz", i, 2, port, tmp_path / "ck2", devices=4) for i in range(2)]
-    single = _worker(tmp_path / "one.npz", 0, 1, 0, tmp_path / "ck1", devices=8)
-    for process in [*workers, single]:
+    return [
+        _trainer(
+            tmp_path,
+            "two",
+            4,
+            *args,
+            "distributed.enabled=true",
+            f"distributed.coordinator_address=127.0.0.1:{port}",
+            "distributed.num_processes=2",
+            f"distributed.process_id={i}",
+        )
+        for i in range(2)
+    ]
+
+
+def _write_groups_when_ready(run_dir: Path, trainer: subprocess.Popen, groups: range, writer: str) -> None:
+    """Once `trainer` (process 0) is ready, append `groups` to the run's log as a rollout server does."""
+    ready = run_dir / "control" / "trainer.json"
+    deadline = time.monotonic() + 300
+    while not (ready.exists() and json.loads(ready.read_text())["pid"] == trainer.pid):
+        if trainer.poll() is not None:
+            raise AssertionError(f"the trainer ended before it was ready:\n{trainer.communicate()[0][-4000:]}")
+        assert time.monotonic() < deadline, "the trainer was not ready in time"
+        time.sleep(0.1)
+    with RolloutLogWriter(run_dir / "rollout_log", writer, RolloutLogConfig(max_records=3, max_age_s=60)) as log:
+        for group in groups:
+            for sample in range(SAMPLES):
+                length = 16 if sample == 0 else 10 + group % 6  # every step packs to one shape: one compilation
+                t = make_trajectory(group, sample, length=length, seed=1)
+                log.append(t.__class__(**{**t.__dict__, "token_ids": t.token_ids % VOCAB}))
+
+
+def _finish(processes: list[subprocess.Popen]) -> list[str]:
+    outputs = []
+    for process in processes:
         output, _ = process.communicate(timeout=600)
-        assert process.returncode == 0, output[-3000:]
-    one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two-0.npz")
-    assert not (tmp_path / "two-1.npz").exists()  # process 0 alone writes
-    params = [k for k in one.files if k not in ("restored_equal", "restored_step")]
-    assert len(params) > 5 and sorted(params) == sorted(k for k in two.files if k in params)
-    for key in params:  # the collectives reduce in another order: equal up to float rounding
-        np.testing.assert_allclose(two[key], one[key], rtol=0, atol=1e-5, err_msg=key)
-    assert bool(two["restored_equal"]) and int(two["restored_step"]) == 3
-    assert bool(one["restored_equal"])
-    assert sorted(p.name for p in (tmp_path / "ck2").iterdir() if p.name.isdigit()) == ["3"]
+        assert process.returncode == 0, output[-4000:]
+        outputs.append(output)
+    return outputs
+
+
+def _digests(outputs: list[str]) -> dict[int, list[tuple[int, str]]]:
+    by_process: dict[int, list[tuple[int, str]]] = {}
+    for output in outputs:
+        for step, process, digest in DIGEST.findall(output):
+            by_process.setdefault(int(process), []).append((int(step), digest))
+    return by_process
+
+
+def test_trainer_role_over_two_processes_matches_one_and_resumes(tmp_path: Path) -> None:
+    two, one = tmp_path / "two", tmp_path / "one"
+    first = _two_processes(tmp_path, "train_steps=2")
+    single = _trainer(tmp_path, "one", 8, "train_steps=3")
+    _write_groups_when_ready(two, first[0], range(2 * GROUPS), "w0")
+    _write_groups_when_ready(one, single, range(3 * GROUPS), "w0")
+    first_outputs = _finish(first)
+    resumed = _two_processes(tmp_path, "train_steps=3", "--resume")
+    _write_groups_when_ready(two, resumed[0], range(2 * GROUPS, 3 * GROUPS), "w1")  # after the restore
+    resumed_outputs = _finish(resumed)
+    _finish([single])
+
+    assert "resumed from step 2" in resumed_outputs[0]
+    digests = _digests([*first_outputs, *resumed_outputs])
+    assert [step for step, _ in digests[0]] == [1, 2, 3]
+    assert digests[1] == digests[0]  # both processes trained the same records in the same order
+
+    trained = [json.loads(line) for line in (two / "trained_groups.jsonl").read_text().splitlines()]
+    assert trained == [json.loads(line) for line in (one / "trained_groups.jsonl").read_text().splitlines()]
+    assert [sorted(g for g, _ in row["groups"]) for row in trained] == [
+        list(range(s * GROUPS, (s + 1) * GROUPS)) for s in range(3)
+    ]
+    metrics = load_metrics(two / "metrics.jsonl")
+    assert [m["train/version"] for m in metrics] == [1, 2, 3]  # process 0's lines only
+    assert all(m["train/skipped_updates"] == 0 and m["train/grad_norm"] > 0 for m in metrics)  # params moved
+    assert "on process 1" not in (two / "train.log").read_text()
+    assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
+
+    ours = load_file(two / "hf_final" / "model.safetensors")
+    reference = load_file(one / "hf_final" / "model.safetensors")
+    assert len(ours) > 5 and sorted(ours) == sorted(reference)
+    for key, value in reference.items():  # the collectives reduce in another order: equal up to float rounding
+        np.testing.assert_allclose(ours[key], value, rtol=0, atol=1e-5, err_msg=key)

@@ -130,7 +130,8 @@ def test_start_runs_each_role_on_all_workers_of_its_slice(env_file):
     assert [line[5] for line in lines] == NODES
     shared = "output_dir=gs://bkt/runs name=r1 cluster.rollout_servers=2 train_steps=5 --resume"
     config = "configs/recipes/qwen25_05b_gsm8k.yaml"
-    roles = [f"trainer {config}", f"rollout {config} --server 0", f"rollout {config} --server 1"]
+    trainer = f"trainer {config} distributed.enabled=true"  # the slice's workers: one jax.distributed job
+    roles = [trainer, f"rollout {config} --server 0", f"rollout {config} --server 1"]
     logs = ["trainer", "rollout-0", "rollout-1"]
     for line, role, log in zip(lines, roles, logs, strict=True):
         script = remote(line)
@@ -179,7 +180,7 @@ def test_the_worker_start_and_stop_commands_run_a_role_detached_once_and_stop_it
     deadline = time.monotonic() + 10
     while "args:" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert log.read_text().startswith("args: trainer configs/recipes/qwen25_05b_gsm8k.yaml output_dir=gs://bkt/runs")
+    assert log.read_text().startswith("args: trainer configs/recipes/qwen25_05b_gsm8k.yaml distributed.enabled=true")
     again = subprocess.run(["bash", "-c", start], **run)
     assert again.returncode == 1 and "trainer already runs" in again.stderr
     assert subprocess.run(["bash", "-c", stop], **run).returncode == 0
@@ -195,7 +196,8 @@ def test_gpu_multinode_launch_puts_the_trainer_then_each_rollout_server_on_its_n
     assert lines == [
         ["mkdir", "-p", "/l"],
         ["srun", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--nodelist=n1,n2", "--kill-on-bad-exit=1",
-         "--output=/l/g-trainer-%t.log", "/v/bin/areal-jax", "trainer", "c.yaml", *shared],
+         "--output=/l/g-trainer-%t.log", "/v/bin/areal-jax", "trainer", "c.yaml", "distributed.enabled=true",
+         *shared],
         ["srun", "--nodes=1", "--ntasks=1", "--gpus-per-node=4", "--nodelist=n3", "--output=/l/g-rollout-0.log",
          "/v/bin/areal-jax", "rollout", "c.yaml", "--server", "0", *shared],
         ["srun", "--nodes=1", "--ntasks=1", "--gpus-per-node=4", "--nodelist=n4", "--output=/l/g-rollout-1.log",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Starts the roles on every worker, detached (nohup), one log file per worker in ~/areal-logs: the
 # trainer (`areal-jax trainer`) on RUN-trainer, rollout server I (`areal-jax rollout --server I`) on
-# RUN-rollout-I. All share the run directory gs://BUCKET/runs/RUN. Multi-host slices need no extra
-# settings: jax.distributed finds its peers from the TPU environment.
+# RUN-rollout-I. All share the run directory gs://BUCKET/runs/RUN. The trainer's workers form one
+# jax.distributed job (distributed.enabled=true; its peers are found from the TPU environment).
 set -euo pipefail
 # shellcheck source=tpu_scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -23,7 +23,7 @@ launch() {
     "> ../$REMOTE_LOGS/$name-\$(hostname).log 2>&1 < /dev/null & echo \$! > $pid"
 }
 
-on_workers "$(trainer_node)" "$(launch trainer trainer)"
+on_workers "$(trainer_node)" "$(launch trainer trainer distributed.enabled=true)"
 for ((i = 0; i < INFERENCE_SLICES; i++)); do
   on_workers "$(inference_node "$i")" "$(launch "rollout-$i" rollout --server "$i")"
 done

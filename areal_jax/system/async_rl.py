@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
-from areal_jax.configuration import to_dict
+from areal_jax.configuration import ConfigError, to_dict
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread, staleness_of
 from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter
@@ -58,7 +58,8 @@ from areal_jax.system.assembly import (
     load_policy,
 )
 from areal_jax.system.reporting import QUEUE, RunReporter
-from areal_jax.system.run_dir import prepare_run_dir
+from areal_jax.system.run_dir import check_run_dir, start_run_dir
+from areal_jax.system.trainer_processes import SharedBatches, TrainerProcesses
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target
@@ -158,11 +159,18 @@ def train(
     stop_event: threading.Event | None = None,
 ) -> RunSummary:
     """The trainer side of a run on `trainer_mesh`, fed by the rollout side `rollouts` builds (in this
-    process, or rollout server processes): run directory, policy, prompts, trainer, checkpoints, loop."""
+    process, or rollout server processes): run directory, policy, prompts, trainer, checkpoints, loop.
+
+    With several trainer processes (`jax.distributed`, `trainer_mesh` over all their devices) every process
+    calls this; process 0 starts the run directory, reads the log and decides (`trainer_processes`)."""
     started = time.perf_counter()
+    processes = TrainerProcesses()
     run_dir = cfg.run_dir
     latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
-    prepare_run_dir(cfg, resume, overwrite, latest)
+    plan = check_run_dir(cfg, resume, overwrite, latest)  # every process: the same refusals
+    processes.barrier("areal-run-dir-checked")  # before process 0 changes what the others check
+    processes.on_primary(lambda: start_run_dir(cfg, plan))
+    _check_several_processes(cfg, processes)
     tokenizer = build_tokenizer(cfg)
     model = load_policy(cfg, trainer_mesh, tokenizer)
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
@@ -179,12 +187,26 @@ def train(
         checkpointer = TrainCheckpointer(run_dir / "checkpoints", cfg.train_checkpoint)
         checkpointer.install_signal_handlers()
         try:
-            training = _TrainingRun(cfg, model, trainer, checkpointer, stream, heldout, workflow, stop_event)
+            training = _TrainingRun(cfg, model, trainer, checkpointer, stream, heldout, workflow, stop_event, processes)
             if resume:
                 training.restore()
             return training.run(rollouts(training), started)
         finally:
             checkpointer.close()
+
+
+def _check_several_processes(cfg: ExperimentConfig, processes: TrainerProcesses) -> None:
+    """Refuse what several trainer processes cannot do: train the warm start (each would train its own)."""
+    if processes.count == 1 or cfg.hf_checkpoint is not None or not cfg.warm_start.steps:
+        return
+    from areal_jax.sft import cached_warm_start  # it assembles itself from this package
+
+    if cached_warm_start(cfg) is None:
+        raise ConfigError(
+            "warm_start.steps",
+            f"is {cfg.warm_start.steps} and the run has no warm start yet; a trainer over {processes.count} "
+            "processes does not train one: run `areal-jax sft` with the same config first",
+        )
 
 
 class RunFailed(RuntimeError):
@@ -323,8 +345,10 @@ class _TrainingRun:
         heldout: list[PromptRecord],
         workflow: RolloutWorkflow,
         stop_event: threading.Event | None,
+        processes: TrainerProcesses,
     ):
         self.cfg = cfg
+        self.processes = processes
         self.model = model
         self.trainer = trainer
         self.checkpointer = checkpointer
@@ -338,47 +362,63 @@ class _TrainingRun:
         self.metadata: dict[str, Any] = {}
         self.ledger = GroupLedger()
         self.pipeline_stop = stop_event or threading.Event()
+        self.peer_stop = threading.Event()  # another trainer process has a stop request (several processes)
+        self.batches: Any = None  # process 0's pipeline iterator
+        self.shared: SharedBatches | None = None  # the batches of several processes
+        self.reporter: RunReporter | None = None  # process 0's
         self.skipped_in_a_row = 0
         self.truncation_warned_at: int | None = None
         self.before: dict[str, float] = {}  # the held-out evaluation of the starting policy (a new run)
 
     def restore(self) -> None:
         """Continue the newest checkpoint: arrays, version, prompt ledger; the log's unread rest set aside."""
-        trainer, run_dir = self.trainer, self.run_dir
+        trainer = self.trainer
         restored = self.checkpointer.restore(
             abstract_target({"params": trainer.params, "opt_state": trainer.opt_state})
         )
         trainer.params, trainer.opt_state = restored.state["params"], restored.state["opt_state"]
         self.metadata = metadata = restored.metadata
         trainer.version = int(metadata["version"])
-        aside = set_aside_unread(
-            self.log_dir, metadata["pipeline"], run_dir / f"rollout_log_unused/resume-{restored.step}"
-        )
-        self.ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
         self.ledger.first_new_id = int(metadata["next_group_id"])
         self.ledger.consumed_count = int(metadata["consumed_groups"])
-        _truncate_jsonl(self.groups_path, trainer.version, "version")  # metrics.jsonl: the reporter's
-        logger.info(
-            "resumed from step %d (version %d): %d unread log records set aside, %d groups re-issued",
-            restored.step,
-            trainer.version,
-            aside.records,
-            len(self.ledger.reissued),
-        )
+        self.processes.on_primary(lambda: self._continue_log(restored.step))
         for step, reason in restored.rejected:
             logger.warning("checkpoint %d was not used: %s", step, reason)
 
+    def _continue_log(self, step: int) -> None:
+        """On a resume, process 0: set the log's unread rest aside (the servers issue those groups again) and
+        drop the trained-groups lines after the checkpoint (metrics.jsonl: the reporter's)."""
+        metadata, version = self.metadata, self.trainer.version
+        aside = set_aside_unread(self.log_dir, metadata["pipeline"], self.run_dir / f"rollout_log_unused/resume-{step}")
+        self.ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
+        _truncate_jsonl(self.groups_path, version, "version")
+        logger.info(
+            "resumed from step %d (version %d): %d unread log records set aside, %d groups re-issued",
+            step,
+            version,
+            aside.records,
+            len(self.ledger.reissued),
+        )
+
     def run(self, rollouts: RolloutSide, started: float) -> RunSummary:
         self.rollouts = rollouts
-        self.batches = self._open_pipeline()
-        profile = ProfileWindow(self.cfg.profile, self.run_dir / "profile")
-        self.reporter = RunReporter(
-            self.cfg.report,
-            self.run_dir,
-            self.cfg.train_steps,
-            start_step=self.trainer.version,
-            hparams=to_dict(self.cfg),
-        )
+        processes = self.processes
+        if processes.count > 1:
+            take = self._take_batch if processes.primary else None
+            self.shared = SharedBatches(processes, take, lambda: self.checkpointer.stop_requested, self.peer_stop)
+        profile_dir = self.run_dir / "profile"
+        if processes.primary:
+            self.batches = self._open_pipeline()
+            self.reporter = RunReporter(
+                self.cfg.report,
+                self.run_dir,
+                self.cfg.train_steps,
+                start_step=self.trainer.version,
+                hparams=to_dict(self.cfg),
+            )
+        else:
+            profile_dir = profile_dir / f"process-{processes.index}"
+        profile = ProfileWindow(self.cfg.profile, profile_dir)
         try:
             with rollouts.serving(self.trainer, on_failure=self.pipeline_stop.set):
                 try:
@@ -389,10 +429,13 @@ class _TrainingRun:
                     profile.close()
                     self.pipeline_stop.set()
                     rollouts.stop()
+                    if self.shared is not None:
+                        self.shared.close()
                     self.checkpointer.wait()
             return self._finish(rewards, started)
         finally:
-            self.reporter.close(self._outputs())  # after a failure (a no-op once closed)
+            if self.reporter is not None:
+                self.reporter.close(self._outputs())  # after a failure (a no-op once closed)
 
     def _open_pipeline(self) -> Any:
         """The trainer's iterator over the rollout log, at the restored position on a resume."""
@@ -402,7 +445,10 @@ class _TrainingRun:
                 self.cfg.pipeline_config().replace(prefetch_batches=0),  # the checkpointed position = what trained
                 trainer_version=lambda: self.trainer.version,
                 stop_event=_StopWhen(
-                    self.pipeline_stop.is_set, lambda: self.checkpointer.stop_requested, self.rollouts.failed
+                    self.pipeline_stop.is_set,
+                    lambda: self.checkpointer.stop_requested,
+                    self.rollouts.failed,
+                    self.peer_stop.is_set,
                 ),
                 writers_done=self.rollouts.done,
             )
@@ -414,9 +460,10 @@ class _TrainingRun:
     def _finish(self, rewards: _RewardTrace, started: float) -> RunSummary:
         """After the loop: the failure that stopped it, or the final export (not after a signal), and the summary."""
         cfg, trainer = self.cfg, self.trainer
-        if (failure := self.rollouts.failure()) is not None:
-            raise RunFailed(str(failure)) from failure
-        signalled = self.checkpointer.stop_requested
+        failure = self.rollouts.failure()
+        if (message := self.processes.share(None if failure is None else str(failure))) is not None:
+            raise RunFailed(message) from failure
+        signalled = self._stop_agreed()
         final_dir = None
         if signalled:
             logger.warning("stopped by a signal at step %d; continue with --resume", trainer.version)
@@ -424,8 +471,9 @@ class _TrainingRun:
             final = nnx.merge(trainer.graphdef, trainer.params)
             if bad := nonfinite_leaves(trainer.params):
                 raise RunFailed(f"the policy at step {trainer.version} has non-finite {bad[:3]}; nothing exported")
-            final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))
-        self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
+            final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))  # every process gathers
+        if self.reporter is not None:
+            self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
         return RunSummary(
             steps=trainer.version - int(self.metadata.get("version", 0)),
             version=trainer.version,
@@ -443,32 +491,23 @@ class _TrainingRun:
     def _loop(self, profile: ProfileWindow, started: float) -> _RewardTrace:
         cfg, trainer = self.cfg, self.trainer
         trace = _RewardTrace()
-        with self.groups_path.open("a") as trained_groups:
-            while trainer.version < cfg.train_steps and not self.checkpointer.stop_requested:
-                batch = next(self.batches, None)
+        primary = self.processes.primary
+        with self.groups_path.open("a") if primary else contextlib.nullcontext() as trained_groups:
+            while trainer.version < cfg.train_steps and not self._stop_agreed():
+                batch = self._take_batch() if self.shared is None else self.shared.next(trainer.version + 1)
                 if batch is None:
-                    if not (self.checkpointer.stop_requested or self.rollouts.failed()):
-                        logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
-                    break
-                groups = len({t.group_id for t in batch})
-                if groups < cfg.rollout.staleness.batch_prompts and self._stopping():
-                    # the pipeline ended on the stop, not on the data: these groups stay unconsumed, so the
-                    # checkpoint lists them as outstanding and a resumed run generates and trains them
-                    logger.info("stopping: %d group(s) of an incomplete batch are left to the resumed run", groups)
                     break
                 self.ledger.consume(batch)
                 version_before = trainer.version
                 profile.before_step(version_before + 1)
                 stats = trainer.step(batch)
                 profile.after_step(trainer.version)
-                stats.update(self._step_stats(batch, version_before, started))
-                self._monitor_logprobs(stats)
-                self.reporter.log(trainer.version, stats)
-                groups = sorted({(t.group_id, t.prompt_id) for t in batch})
-                trained_groups.write(json.dumps({"version": trainer.version, "groups": groups}) + "\n")
-                trained_groups.flush()
+                stats.update(_reward_stats(batch, version_before))
+                if primary:
+                    stats.update(self._step_stats(started))
+                    self._monitor_logprobs(stats)
+                    self._report(stats, batch, trained_groups)
                 trace.add(stats["rollout/reward_mean"], len(batch))
-                self._log_step(stats)
                 self._check_updates(stats)
                 arrays = {"params": trainer.params, "opt_state": trainer.opt_state}
                 try:
@@ -477,21 +516,55 @@ class _TrainingRun:
                     raise RunFailed(str(err)) from err
                 if trainer.version >= cfg.train_steps:
                     self._save_now()  # the last step, always
-        if self.checkpointer.stop_requested:
+        if self._stop_agreed():
             self._save_now()
         return trace
 
+    def _take_batch(self) -> list[Trajectory] | None:
+        """Process 0: the next batch to train from the pipeline, or None to stop (the data ran out, or the
+        pipeline ended on a stop)."""
+        batch = next(self.batches, None)
+        if batch is None:
+            if not self._stopping():
+                logger.info("the prompts are used up (dataset.epochs=%s)", self.cfg.dataset.epochs)
+            return None
+        groups = len({t.group_id for t in batch})
+        if groups < self.cfg.rollout.staleness.batch_prompts and self._stopping():
+            # the pipeline ended on the stop, not on the data: these groups stay unconsumed, so the
+            # checkpoint lists them as outstanding and a resumed run generates and trains them
+            logger.info("stopping: %d group(s) of an incomplete batch are left to the resumed run", groups)
+            return None
+        return batch
+
+    def _report(self, stats: dict[str, float], batch: list[Trajectory], trained_groups: Any) -> None:
+        """Process 0: the step's metrics, its trained groups and its warnings."""
+        assert self.reporter is not None
+        self.reporter.log(self.trainer.version, stats)
+        groups = sorted({(t.group_id, t.prompt_id) for t in batch})
+        trained_groups.write(json.dumps({"version": self.trainer.version, "groups": groups}) + "\n")
+        trained_groups.flush()
+        self._log_step(stats)
+
+    def _stop_agreed(self) -> bool:
+        """Whether any trainer process has a stop request (a signal): the same answer on every process."""
+        return self.processes.any(self.checkpointer.stop_requested)
+
     def _stopping(self) -> bool:
-        return self.checkpointer.stop_requested or self.pipeline_stop.is_set() or self.rollouts.failed()
+        return (
+            self.checkpointer.stop_requested
+            or self.pipeline_stop.is_set()
+            or self.peer_stop.is_set()
+            or self.rollouts.failed()
+        )
 
     def _save_now(self) -> None:
-        if self.checkpointer.latest_step() != self.trainer.version and not self.rollouts.failed():
+        if self.checkpointer.latest_step() != self.trainer.version and not self.processes.share(self.rollouts.failed()):
             arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
             self.checkpointer.save(self.trainer.version, arrays, self._checkpoint_metadata(), wait=True)
 
-    def _step_stats(self, batch: list[Trajectory], version_before: int, started: float) -> dict[str, float]:
-        stats = _reward_stats(batch, version_before)
-        stats.update(self.rollouts.step_stats())
+    def _step_stats(self, started: float) -> dict[str, float]:
+        """Process 0: the step's statistics besides the trainer's and the batch's rewards."""
+        stats = self.rollouts.step_stats()
         counters = pipeline_stats(self.batches.get_state())
         for key, value in counters.items():
             if isinstance(value, dict):  # samples kept/dropped per staleness
@@ -582,7 +655,11 @@ class _TrainingRun:
 
     def _checkpoint_metadata(self) -> dict[str, Any]:
         """What a resume needs besides the arrays: the version, the pipeline position, the groups consumed
-        (the staleness bound counts them as accepted), the next group id and the outstanding groups."""
+        (the staleness bound counts them as accepted), the next group id and the outstanding groups.
+        Process 0's, on every process."""
+        return self.processes.share(self._own_checkpoint_metadata() if self.processes.primary else None)
+
+    def _own_checkpoint_metadata(self) -> dict[str, Any]:
         state = self.batches.get_state()
         next_group_id = self.rollouts.next_group_id()
         return {

@@ -1,4 +1,4 @@
-"""`areal-jax launch local`: a trainer process and N rollout server processes of one run on this machine.
+"""`areal-jax launch local`: the trainer (M processes) and N rollout server processes of one run on this machine.
 
 Each role gets its own CPU cores (`os.sched_setaffinity` before it starts, so XLA's thread pool sizes itself
 to them), its output is streamed here with a `[role]` prefix, and every child dies with the launcher
@@ -8,6 +8,11 @@ runs is started again (at most `cluster.restarts` times; it re-issues the groups
 run ends with the trainer: the servers leave on the trainer's stop marker (or are terminated after a
 grace period). Ctrl-C or SIGTERM is passed to every child: the trainer checkpoints and the launcher
 exits 75 (rerun with `--resume`).
+
+A trainer over M > 1 processes (`--trainer-processes M`) joins through `jax.distributed` on localhost (a free
+port; `distributed.*` set on each command line), each process on its own share of the trainer's cores.
+Process 0 writes the ready marker. When one of them fails, the others cannot go on (every step is
+collective): they are sent SIGTERM, then killed after the grace period; continue with `--resume`.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
+from areal_jax.cli import EXIT_RESUMABLE
 from areal_jax.config import ExperimentConfig
 from areal_jax.system.cluster import ControlFiles
 
@@ -50,6 +57,16 @@ def split_cores(cores: Sequence[int], trainer_cores: int) -> tuple[frozenset[int
     return frozenset(cores[:trainer_cores]), frozenset(cores[trainer_cores:])
 
 
+def share_cores(cores: frozenset[int], processes: int) -> list[frozenset[int]]:
+    """`cores` split into `processes` near-equal contiguous parts; with fewer cores than processes, the
+    processes take them in turn."""
+    ordered = sorted(cores)
+    if len(ordered) < processes:
+        return [frozenset({ordered[i % len(ordered)]}) for i in range(processes)]
+    bounds = [len(ordered) * i // processes for i in range(processes + 1)]
+    return [frozenset(ordered[bounds[i] : bounds[i + 1]]) for i in range(processes)]
+
+
 def role_specs(
     config_args: Sequence[str],
     rollout_servers: int,
@@ -58,12 +75,31 @@ def role_specs(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    trainer_processes: int = 1,
+    coordinator_port: int | None = None,
 ) -> list[RoleSpec]:
-    """The trainer, then each rollout server: `python -m areal_jax.cli <role> CONFIG overrides`."""
+    """The trainer's processes (process 0 first), then each rollout server: `python -m areal_jax.cli <role>
+    CONFIG overrides`. One trainer process is named `trainer`; M > 1 are `trainer0..` and get the
+    `distributed.*` settings of a `jax.distributed` job coordinated on localhost:`coordinator_port`."""
     base = (sys.executable, "-m", "areal_jax.cli")
     args = (*config_args, f"cluster.rollout_servers={rollout_servers}")
     trainer_flags = (*(("--resume",) if resume else ()), *(("--overwrite",) if overwrite else ()))
-    specs = [RoleSpec("trainer", (*base, "trainer", *trainer_flags, *args), trainer_cores)]
+    trainer = (*base, "trainer", *trainer_flags, *args)
+    if trainer_processes == 1:
+        specs = [RoleSpec("trainer", trainer, trainer_cores)]
+    else:
+        if coordinator_port is None:
+            raise ValueError("a trainer over several processes needs a coordinator port")
+        distributed = (
+            "distributed.enabled=true",
+            f"distributed.coordinator_address=127.0.0.1:{coordinator_port}",
+            f"distributed.num_processes={trainer_processes}",
+        )
+        cores = share_cores(trainer_cores, trainer_processes)
+        specs = [
+            RoleSpec(f"trainer{i}", (*trainer, *distributed, f"distributed.process_id={i}"), cores[i])
+            for i in range(trainer_processes)
+        ]
     for server in range(rollout_servers):
         specs.append(RoleSpec(f"rollout{server}", (*base, "rollout", "--server", str(server), *args), rollout_cores))
     return specs
@@ -115,29 +151,47 @@ class _Child:
         return code
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def launch_local(
     cfg: ExperimentConfig,
     config_args: Sequence[str],
     *,
     rollout_servers: int,
     trainer_cores: int | None = None,
+    trainer_processes: int = 1,
     resume: bool = False,
     overwrite: bool = False,
 ) -> int:
     """Run the roles until the trainer ends; the trainer's exit status (see the module docstring)."""
     available = sorted(os.sched_getaffinity(0))
     trainer_set, rollout_set = split_cores(available, trainer_cores or max(1, len(available) // 2))
-    specs = role_specs(config_args, rollout_servers, trainer_set, rollout_set, resume=resume, overwrite=overwrite)
+    specs = role_specs(
+        config_args,
+        rollout_servers,
+        trainer_set,
+        rollout_set,
+        resume=resume,
+        overwrite=overwrite,
+        trainer_processes=trainer_processes,
+        coordinator_port=_free_port() if trainer_processes > 1 else None,
+    )
+    trainer_specs, server_specs = specs[:trainer_processes], specs[trainer_processes:]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logger.info(
-        "launching %s; trainer on cores %s, rollout servers on cores %s",
+        "launching %s; %s, rollout servers on cores %s",
         ", ".join(s.name for s in specs),
-        sorted(trainer_set),
+        ", ".join(f"{s.name} on cores {sorted(s.cores)}" for s in trainer_specs),
         sorted(rollout_set),
     )
     interrupted = threading.Event()
     control = ControlFiles(cfg.run_dir, rollout_servers)
-    children = {"trainer": _Child(specs[0], env)}
+    children = {spec.name: _Child(spec, env) for spec in trainer_specs}
+    trainers = list(children.values())
 
     def forward(signum: int, _frame: object) -> None:
         interrupted.set()
@@ -145,19 +199,21 @@ def launch_local(
             child.signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    restarts = {spec.name: 0 for spec in specs[1:]}
+    restarts = {spec.name: 0 for spec in server_specs}
+    failure: tuple[int, float] | None = None  # a failed trainer process's exit status, when the others were told
     try:
-        trainer = children["trainer"]
-        while trainer.poll() is None:
+        while any(trainer.poll() is None for trainer in trainers):
             time.sleep(0.2)
-            if interrupted.is_set():
+            if not interrupted.is_set():  # (then every trainer process saves and exits on its own)
+                failure = _end_with_a_failed_trainer_process(trainers, failure)
+            if interrupted.is_set() or failure is not None:
                 continue
-            if len(children) == 1:  # the servers start once this trainer has restored and published
+            if len(children) == len(trainers):  # the servers start once the trainer has restored and published
                 ready = control.ready_trainer()
-                if ready is not None and ready.get("pid") == trainer.process.pid:
-                    children.update({spec.name: _Child(spec, env) for spec in specs[1:]})
+                if ready is not None and ready.get("pid") == trainers[0].process.pid:
+                    children.update({spec.name: _Child(spec, env) for spec in server_specs})
                 continue
-            for spec in specs[1:]:
+            for spec in server_specs:
                 code = children[spec.name].poll()
                 if code is None or code == 0:
                     continue  # running, or left cleanly (its prompts ran out)
@@ -171,8 +227,9 @@ def launch_local(
                     "%s exited %d; restarting it (%d of %d)", spec.name, code, restarts[spec.name], cfg.cluster.restarts
                 )
                 children[spec.name] = _Child(spec, env)
-        code = trainer.wait()
-        servers = list(children.values())[1:]
+        codes = [trainer.wait() for trainer in trainers]
+        code = failure[0] if failure is not None else next((c for c in codes if c != 0), 0)
+        servers = list(children.values())[len(trainers) :]
         if code != 0:  # no stop marker may have been written: stop the servers now
             for child in servers:
                 child.signal(signal.SIGTERM)
@@ -191,3 +248,24 @@ def launch_local(
         for child in children.values():
             if child.poll() is None:
                 child.signal(signal.SIGKILL)
+
+
+def _end_with_a_failed_trainer_process(
+    trainers: list[_Child], failure: tuple[int, float] | None
+) -> tuple[int, float] | None:
+    """Once a trainer process has failed (exited, neither done nor stopped after its checkpoint), SIGTERM the
+    others (they cannot go on without it), and SIGKILL those still running after the grace period.
+    Returns (its exit status, when the others were told), or None while none has failed."""
+    if failure is None:
+        ended = ((t.spec.name, t.poll()) for t in trainers)
+        failed = [(name, code) for name, code in ended if code is not None and code not in (0, EXIT_RESUMABLE)]
+        if not failed or len(trainers) == 1:
+            return None
+        logger.error("trainer process %s exited %d; ending the others (continue with --resume)", *failed[0])
+        for trainer in trainers:
+            trainer.signal(signal.SIGTERM)
+        return failed[0][1], time.monotonic()
+    if time.monotonic() - failure[1] > _GRACE_S:
+        for trainer in trainers:
+            trainer.signal(signal.SIGKILL)
+    return failure

@@ -10,6 +10,7 @@ deleted. `--resume` compares the new config with the run's `config.yaml`: only t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fnmatch
 import json
@@ -235,6 +236,19 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest
     the directory is marked as a run's. A resume needs a checkpoint (`latest_checkpoint`) and a config
     that differs from the run's only in `RESUME_MAY_CHANGE`. Every refusal comes before anything is written.
     """
+    start_run_dir(cfg, check_run_dir(cfg, resume, overwrite, latest_checkpoint))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDirPlan:
+    """What `start_run_dir` does, decided by `check_run_dir` (which writes nothing)."""
+
+    resume: bool
+    previous: str | None  # what an earlier run left (deleted by a new run: --overwrite)
+
+
+def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest_checkpoint: int | None) -> RunDirPlan:
+    """The refusals of `prepare_run_dir`, writing nothing (every trainer process checks; process 0 starts)."""
     check_run_location(cfg)
     run_dir = cfg.run_dir
     if resume and overwrite:
@@ -255,6 +269,13 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest
             )
         if not (run_dir / MARKER).is_file():
             raise _refuse_unmarked(run_dir, previous)
+    return RunDirPlan(resume, previous)
+
+
+def start_run_dir(cfg: ExperimentConfig, plan: RunDirPlan) -> None:
+    """Start the run in `cfg.run_dir` as `check_run_dir` planned it (delete an earlier run, the marker, the
+    config)."""
+    run_dir, resume, previous = cfg.run_dir, plan.resume, plan.previous
     try:
         if previous is not None and not resume:
             _delete_run(run_dir)

@@ -10,6 +10,11 @@ On `--resume` the weight versions newer than the restored step (made by the lost
 deleted before the restored version is published again, so a server never serves weights the trainer does
 not have; the log's unread shards are set aside as in the one-process run, and the servers issue those
 groups again when they start (`cluster.resume_point`).
+
+Several trainer processes (`distributed.enabled`): one global mesh over all their devices; process 0 reads
+the log and decides each batch and when to stop (`trainer_processes`), and alone writes the control files
+and the run's reports; every process takes part in publishing each weight version and in each checkpoint
+(Orbax's saves are collective).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from areal_jax.sharding import make_mesh
 from areal_jax.system.async_rl import RunSummary, train
 from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
 from areal_jax.system.reporting import QUEUE
+from areal_jax.system.trainer_processes import TrainerProcesses
 from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import WeightPublisher, checkpoint_location
@@ -46,23 +52,28 @@ class RemoteFailure(RuntimeError):
 class RemoteRollouts:
     """The rollout side as rollout server processes, seen through the run directory."""
 
-    def __init__(self, cfg: ExperimentConfig):
+    def __init__(self, cfg: ExperimentConfig, processes: TrainerProcesses):
         self.cfg = cfg
+        self.processes = processes  # process 0 alone writes the control files
         self.control = ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers)
         self.done = _AllDone(self.control)
         self.publish_seconds = 0.0
 
     @contextlib.contextmanager
     def serving(self, trainer: Trainer, on_failure: Callable[[], None]) -> Iterator[None]:
-        self.control.clear()
+        primary = self.processes.primary
+        if primary:
+            self.control.clear()
         store = self.cfg.run_dir / WEIGHTS_DIR
-        _drop_versions_after(store, trainer.version)
+        _drop_versions_after(store, trainer.version)  # Orbax: every process takes part, process 0 deletes
+        self.processes.barrier("areal-weights-trimmed")
         publisher = open_publisher(self.cfg)
         try:
             if publisher.latest_version() != trainer.version:
                 publisher.publish(trainer.params, trainer.version)
             publisher.wait()  # the servers start from this version
-            self.control.trainer_ready(trainer.version)
+            if primary:
+                self.control.trainer_ready(trainer.version)
             trainer.publish = lambda params, version: self._publish(publisher, params, version)
             yield
         finally:
@@ -74,7 +85,8 @@ class RemoteRollouts:
         self.publish_seconds = time.perf_counter() - started
 
     def stop(self) -> None:
-        self.control.request_stop("the trainer stopped")
+        if self.processes.primary:
+            self.control.request_stop("the trainer stopped")
 
     def failure(self) -> BaseException | None:
         messages = self.control.failures()
@@ -136,7 +148,15 @@ def run_trainer(
     cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False, stop_event: threading.Event | None = None
 ) -> RunSummary:
     """Train `cfg.train_steps` steps on what the rollout servers write (see the module docstring)."""
-    ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).trainer_starting()
     initialize_distributed(cfg.distributed)
+    if TrainerProcesses().primary:
+        ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).trainer_starting()
     mesh = make_mesh(cfg.mesh)  # every device of every trainer process
-    return train(cfg, mesh, lambda _: RemoteRollouts(cfg), resume=resume, overwrite=overwrite, stop_event=stop_event)
+    return train(
+        cfg,
+        mesh,
+        lambda training: RemoteRollouts(cfg, training.processes),
+        resume=resume,
+        overwrite=overwrite,
+        stop_event=stop_event,
+    )
