@@ -35,7 +35,7 @@ RUN_NAME = "async-chain-sums"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="100 steps instead of the job's 300")
+    parser.add_argument("--quick", action="store_true", help="100 steps instead of the job's 200")
     args = parser.parse_args()
     output_dir = tempfile.mkdtemp(prefix="main-job-bench-")
     command = [sys.executable, "-m", "areal_jax.cli", "train", "--overwrite", "configs/chain_sums_cpu.yaml"]
