@@ -1,6 +1,6 @@
-"""The README's main job (configs/train_cpu.yaml, asynchronous RL on the embedded arithmetic task) for a
-handful of steps: the live display, the TensorBoard event file, metrics.jsonl and the plots are written and
-agree on the values of the last step."""
+"""The README's main job (configs/chain_sums_cpu.yaml: a supervised warm start, then asynchronous RL on
+the embedded running-sums task) for a handful of steps: the live display, the TensorBoard event file,
+metrics.jsonl and the plots are written and agree on the values of the last step."""
 
 from __future__ import annotations
 
@@ -18,12 +18,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 4
 SMALL = [
     f"train_steps={STEPS}",
+    "warm_start.steps=4",
+    "warm_start.heldout_examples=8",
     "dataset.heldout=8",
     "rollout.staleness.batch_prompts=2",
     "rollout.workflow.n_samples=2",
     "rollout.engine.max_slots=8",
     "rollout.staleness.max_head_offpolicyness=2",
-    "trainer.packing.token_budget=256",
+    "rollout.staleness.max_concurrent=8",
+    "trainer.packing.token_budget=512",
     "trainer.packing.rows=4",
     f"train_checkpoint.every_steps={STEPS}",
     f"eval.every_steps={STEPS}",
@@ -33,7 +36,7 @@ SMALL = [
 
 def test_default_task_display_tensorboard_metrics_and_plots_agree(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # the display's width: one line per row of labels
-    cfg = load_experiment("configs/train_cpu.yaml", [*SMALL, f"output_dir={tmp_path}"])
+    cfg = load_experiment("configs/chain_sums_cpu.yaml", [*SMALL, f"output_dir={tmp_path}"])
     summary = run_async(cfg)
     captured = capsys.readouterr()
     run_dir = cfg.run_dir
