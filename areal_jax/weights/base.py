@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +60,27 @@ class WeightSubscriber(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def poll_for_version(
+    latest_version: Callable[[], int | None],
+    min_version: int,
+    timeout_s: float | None,
+    closed: threading.Event,
+    delays: Iterator[float],
+) -> int | None:
+    """`WeightSubscriber.wait_for_version` by polling: call `latest_version` until it is >= `min_version`
+    (returned), the timeout passes or `closed` is set (None), sleeping the next of `delays` in between."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        latest = latest_version()
+        if latest is not None and latest >= min_version:
+            return latest
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if (remaining is not None and remaining <= 0) or closed.is_set():
+            return None
+        delay = next(delays)
+        closed.wait(delay if remaining is None else min(delay, remaining))
 
 
 def abstract_target(tree: Any, shardings: Any | None = None) -> Any:

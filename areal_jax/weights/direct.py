@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import logging
 import socket
 import threading
@@ -44,7 +45,7 @@ from jax.experimental import transfer
 
 from areal_jax.sharding import copy_to
 from areal_jax.system.cluster import read_json, write_json_atomic
-from areal_jax.weights.base import LoadedWeights, target_shardings, tree_nbytes
+from areal_jax.weights.base import LoadedWeights, poll_for_version, target_shardings, tree_nbytes
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
 from areal_jax.weights.pieces import LeafPlan, LeafSpec, distinct_shards, plan_leaf
 
@@ -221,15 +222,8 @@ class DirectWeightSubscriber:
         return max((v for v in (announced and announced.version, stored) if v is not None), default=None)
 
     def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            latest = self.latest_version()
-            if latest is not None and latest >= min_version:
-                return latest
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if (remaining is not None and remaining <= 0) or self._closed.is_set():
-                return None
-            self._closed.wait(self.poll_s if remaining is None else min(self.poll_s, remaining))
+        delays = itertools.repeat(self.poll_s)
+        return poll_for_version(self.latest_version, min_version, timeout_s, self._closed, delays)
 
     def load(self, version: int, target: Any) -> LoadedWeights:
         """The announced version (>= `version`) pulled directly, or else `version` from the store."""

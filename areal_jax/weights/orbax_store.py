@@ -17,6 +17,7 @@ The directory may be local or gs:// (through TensorStore).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from areal_jax.weights.base import LoadedWeights, checkpoint_location, target_shardings, tree_nbytes
+from areal_jax.weights.base import LoadedWeights, checkpoint_location, poll_for_version, target_shardings, tree_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -141,17 +142,9 @@ class OrbaxWeightSubscriber:
         raise RuntimeError(f"cannot list the versions of {self.directory}: they keep vanishing while listed")
 
     def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
-        delay, max_delay = self._poll
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            latest = self.latest_version()
-            if latest is not None and latest >= min_version:
-                return latest
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if (remaining is not None and remaining <= 0) or self._closed.is_set():
-                return None
-            self._closed.wait(delay if remaining is None else min(delay, remaining))
-            delay = min(2 * delay, max_delay)
+        first, most = self._poll
+        backoff = (min(first * 2**k, most) for k in itertools.count())
+        return poll_for_version(self.latest_version, min_version, timeout_s, self._closed, backoff)
 
     def load(self, version: int, target: Any) -> LoadedWeights:
         target_shardings(target)  # refuse a target without shardings before reading anything
