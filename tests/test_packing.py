@@ -105,6 +105,20 @@ def test_first_fit_decreasing_fills_rows_tightly_and_the_bucket_with_least_paddi
     check_layout(plan)
 
 
+def test_min_row_length_is_a_floor_under_the_row_lengths():
+    # the example above with rows of 7 ruled out: rows of 8 (3 rows, 4 with the 2-row granularity: 2 x 2 x 8)
+    lengths = np.array([2, 6, 3, 2, 5, 4, 2])
+    plan = pack_sequences(lengths, PackingConfig(token_budget=16, rows=2, min_row_length=8))
+    assert plan.shapes == ((2, 8), (2, 8)) and plan.capacity == 32
+    check_layout(plan)
+    # batches whose longest sequence swings from 65 to 128 all land in the one bucket of 128-token rows
+    cfg = PackingConfig(token_budget=2048, rows=16, min_row_length=128)
+    shapes = {pack_sequences(random_lengths(seed, 16, 128 - 64 * (seed % 2)), cfg).shapes for seed in range(6)}
+    assert shapes == {((16, 128),)}
+    with pytest.raises(ConfigError, match="min_row_length"):
+        PackingConfig(token_budget=2048, rows=16, min_row_length=129)
+
+
 def brute_force_capacity(lengths_P: list[np.ndarray], cfg: PackingConfig) -> int:
     """The fewest slots over every bucket, without the search's pruning."""
     longest = max(int(lengths.max()) for lengths in lengths_P)

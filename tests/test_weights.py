@@ -193,6 +193,29 @@ def test_versions_polling_retention_and_a_vanished_version(tmp_path: Path, param
     subscriber.close()
 
 
+def test_polling_an_unchanged_local_store_does_not_ask_orbax_again(
+    tmp_path: Path, params_2x4: nnx.State, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Orbax's listing reads every version's metadata; a reader polling a store where nothing changed (a
+    rollout server waiting for the next version) must not pay it at every poll."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    publisher = OrbaxWeightPublisher(tmp_path / "w", max_to_keep=2)
+    publisher.publish(on_mesh(params_2x4, mesh, offset=1), 1)
+    publisher.wait()
+    subscriber = OrbaxWeightSubscriber(tmp_path / "w", poll_initial_s=0.005, poll_max_s=0.005)
+    reloads = []
+    reload = subscriber._manager.reload
+    monkeypatch.setattr(subscriber._manager, "reload", lambda: (reloads.append(1), reload())[1])
+    assert subscriber.latest_version() == 1
+    assert subscriber.wait_for_version(2, timeout_s=0.1) is None  # ~20 polls
+    assert len(reloads) == 1
+    publisher.publish(on_mesh(params_2x4, mesh, offset=2), 2)
+    assert subscriber.wait_for_version(2, timeout_s=30) == 2  # the commit (a rename) is seen
+    publisher.close()
+    assert subscriber.latest_version() == 2
+    subscriber.close()
+
+
 @pytest.mark.parametrize("meshes", ["disjoint", "shared"])
 def test_in_process_publisher_swaps_weights_then_admits(params_2x4: nnx.State, meshes: str) -> None:
     """The trainer's params reach the generator on its own shardings, stay valid after the trainer donates

@@ -47,6 +47,12 @@ class PackingConfig(Config):
         doc="pad the number of micro-batches up to a multiple of microbatch_multiple, or to a power of two",
     )
     microbatch_multiple: int = option(1, ge=1, doc="with rounding 'multiple': the micro-batch count is a multiple")
+    min_row_length: int = option(
+        0,
+        ge=0,
+        doc="no bucket has shorter rows (0 = any length): fewer shapes to compile when the longest sequence of a "
+        "step swings widely, at the cost of padding; at most token_budget / rows",
+    )
 
     def validate(self) -> None:
         if self.token_budget % self.rows:
@@ -54,6 +60,11 @@ class PackingConfig(Config):
         if self.microbatch_rounding == "pow2" and self.microbatch_multiple != 1:
             raise ConfigError(
                 "microbatch_multiple", f"is {self.microbatch_multiple} but microbatch_rounding is 'pow2'; set it to 1"
+            )
+        if self.min_row_length > self.row_length:
+            raise ConfigError(
+                "min_row_length",
+                f"value {self.min_row_length} exceeds the longest row, token_budget / rows = {self.row_length}",
             )
 
     @property
@@ -63,7 +74,8 @@ class PackingConfig(Config):
 
     def row_lengths(self, longest: int) -> list[int]:
         """The bucket row lengths a batch whose longest sequence is `longest` can use (the longest row included)."""
-        return [n for n in ROW_LENGTHS if longest <= n < self.row_length] + [self.row_length]
+        shortest = max(longest, self.min_row_length)
+        return [n for n in ROW_LENGTHS if shortest <= n < self.row_length] + [self.row_length]
 
     def row_counts(self, row_length: int) -> list[int]:
         """The bucket row counts of micro-batches with rows of `row_length`: rows * 2^j within the token budget."""

@@ -578,6 +578,7 @@ class _TrainingRun:
         stats.update(self.before)  # the starting policy's held-out scores, on the first line of the run
         self.before = {}
         stats["time/wall"] = time.perf_counter() - started
+        stats["time/unix"] = time.time()  # the clock of the rollout log's append times and the servers' status files
         return stats
 
     def _evaluate(self, version: int, prefix: str = "eval") -> dict[str, float]:

@@ -8,9 +8,10 @@ into `<version>.orbax-checkpoint-tmp-<n>/` and becomes `<version>/` by one renam
 Orbax lists only committed versions, so a reader never sees a half-written one. Stale temporary
 directories of a killed publisher are removed when the next publisher opens the directory.
 
-Readers open the directory read-only, poll `reload()` + `latest_step()`, and restore straight onto their
-own mesh: the target is abstract arrays carrying the reader's shardings, so each reader process reads
-only the slices its devices hold (a mesh shape different from the writer's is fine). If the version
+Readers open the directory read-only, poll `reload()` + `latest_step()` (on a local directory only when
+its names changed), and restore straight onto their own mesh: the target is abstract arrays carrying the
+reader's shardings, so each reader process reads only the slices its devices hold (a mesh shape
+different from the writer's is fine). If the version
 being read is deleted meanwhile (the publisher moved on), the newest version is loaded instead.
 The directory may be local or gs:// (through TensorStore).
 """
@@ -126,20 +127,40 @@ class OrbaxWeightSubscriber:
         options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
         self._manager = ocp.CheckpointManager(checkpoint_location(directory), options=options, item_handlers=_handler())
         self._closed = threading.Event()
+        self._listed: frozenset[str] | None = None  # the local directory's names when Orbax last listed it
+        self._steps: list[int] = []
 
     def latest_version(self) -> int | None:
         steps = self._versions()
         return max(steps) if steps else None
 
     def _versions(self) -> list[int]:
-        """The committed versions, listed again (the publisher may delete one while Orbax lists it)."""
+        """The committed versions, listed again (the publisher may delete one while Orbax lists it). Orbax's
+        listing reads every version's metadata on a new thread pool, too costly for every poll; a local
+        directory's names change whenever a version is committed (a rename) or deleted, so Orbax is asked
+        again only when they did."""
+        listing = self._local_listing()  # before Orbax lists: a change after this is seen at the next poll
+        if listing is not None and listing == self._listed:
+            return self._steps
         for _ in range(_LOAD_ATTEMPTS):
             try:
                 self._manager.reload()
-                return list(self._manager.all_steps())
+                steps = list(self._manager.all_steps())
             except FileNotFoundError:
                 continue
+            self._listed, self._steps = listing, steps
+            return steps
         raise RuntimeError(f"cannot list the versions of {self.directory}: they keep vanishing while listed")
+
+    def _local_listing(self) -> frozenset[str] | None:
+        """The names in the store directory; None where it is remote (gs://) or not there yet."""
+        path = os.fspath(self.directory)
+        if "://" in path:
+            return None
+        try:
+            return frozenset(os.listdir(path))
+        except FileNotFoundError:
+            return None
 
     def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
         first, most = self._poll
