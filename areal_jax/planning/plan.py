@@ -140,8 +140,9 @@ def _measured(
         return None
     gen = _by_units([(c.gen_units, c.gen_tokens_per_s) for c in runs])
     train = _by_units([(c.train_units, c.train_tokens_per_s) for c in runs])
+    unit = runs[0].unit if max(*gen, *train) > 1 else runs[0].unit[:-1]
     notes.append(
-        f"{topology}: generation measured on {_counts(gen)} {runs[0].unit}, training on {_counts(train)}; "
+        f"{topology}: generation measured on {_counts(gen)} {unit}, training on {_counts(train)}; "
         "other counts scale linearly from the nearest"
     )
     handoffs = [c.handoff_s for c in handoff_runs if c.handoff_s is not None]
