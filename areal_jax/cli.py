@@ -1,7 +1,9 @@
 """The `areal-jax` command: `train` (asynchronous RL, the main job), `sft` (the supervised warm start of a
 config, cached in its run directory for `train`), `eval` (pass@1/avg@k/pass@k of a checkpoint on datasets),
 `demo` (generate and score with a fresh model), `config` (print or describe a config), `convert` (re-export
-an HF checkpoint), `profile-summary` (rank the XLA operations of a trace taken with `profile.start_step=N`).
+an HF checkpoint), `profile-summary` (rank the XLA operations of a trace taken with `profile.start_step=N`),
+`plan` (the inference:training device split from a calibration run), `trainer`, `rollout` and `launch local`
+(the roles as processes).
 
 A user mistake (a bad config, a missing file, a refused run directory) ends in one line on stderr and exit
 status 2 (`--debug`: its traceback); `train` stopped by SIGTERM/SIGINT exits with 75 after its checkpoint."""
@@ -33,10 +35,12 @@ def _user_errors() -> tuple[tuple[type[Exception], str], ...]:
     from areal_jax.data.datasets import MalformedRowError
     from areal_jax.evaluation import CheckpointSourceError
     from areal_jax.models.hf_io import CheckpointError
+    from areal_jax.planning.calibration import CalibrationError
     from areal_jax.system.run_dir import RunDirectoryError
 
     return (
         (ConfigError, "config error"),
+        (CalibrationError, "calibration"),
         (RunDirectoryError, "run directory"),
         (CheckpointSourceError, "--checkpoint"),
         (CheckpointError, "HF checkpoint"),
@@ -153,6 +157,25 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from areal_jax.config import load_experiment
+    from areal_jax.planning.calibrate import calibrate
+    from areal_jax.planning.calibration import CalibrationError, read_calibration
+    from areal_jax.planning.plan import make_plan
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    runs = list(args.calibration)
+    if args.calibrate:
+        runs.append(calibrate(path, overrides, args.calibration_steps))
+    if not runs:
+        raise CalibrationError("no calibration run: give --calibration RUN_DIR (a finished run) or --calibrate")
+    calibrations = [read_calibration(run, args.skip_steps, args.step_quantile) for run in runs]
+    plan = make_plan(cfg, calibrations, args.devices, eta=args.eta, batch_prompts=args.batch_prompts)
+    print("\n".join(plan.lines()))
+    return 0
+
+
 def _cmd_sft(args: argparse.Namespace) -> int:
     from areal_jax.sft import run_warm_start
     from areal_jax.system.assembly import build_tokenizer
@@ -208,6 +231,25 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a count of processes (at least 1)")
+    return value
+
+
+def _at_least(minimum: int, what: str) -> Any:
+    """An argparse type: an integer of at least `minimum`, else an error saying what it counts."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}: {what}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
     return value
 
 
@@ -271,6 +313,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_arguments(local)
     local.set_defaults(func=_cmd_launch)
+    plan = sub.add_parser(
+        "plan",
+        parents=[debug],
+        help="recommend the inference:training split of D devices (CPU: cores) and predict the step time",
+        epilog="reads finished runs (`train`, `launch local`): docs/distributed.md, 'Choosing the split'",
+    )
+    plan.add_argument(
+        "--calibration",
+        type=Path,
+        action="append",
+        default=[],
+        help="a finished run's directory (repeatable: runs on other device counts or topologies add measurements)",
+    )
+    plan.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first run the config briefly with `launch local` (CPU cores halved) into <name>-calibration, and use it",
+    )
+    plan.add_argument("--calibration-steps", type=_at_least(6, "steps of the --calibrate run"), default=16)
+    plan.add_argument(
+        "--devices",
+        type=_at_least(2, "a split needs at least 2 devices (CPU: cores)"),
+        required=True,
+        help="devices to split (on CPU: cores)",
+    )
+    plan.add_argument(
+        "--eta", type=_at_least(0, "the staleness bound"), help="default: rollout.staleness.max_head_offpolicyness"
+    )
+    plan.add_argument(
+        "--batch-prompts", type=_at_least(1, "prompts per step"), help="default: rollout.staleness.batch_prompts"
+    )
+    plan.add_argument(
+        "--skip-steps",
+        type=_at_least(1, "warm-up steps left out"),
+        help="warm-up steps of each calibration run left out (default: a quarter, at least 2)",
+    )
+    plan.add_argument(
+        "--step-quantile",
+        type=_fraction,
+        default=0.5,
+        help="the quantile of the steady steps' times taken (0.5: the median; lower, e.g. 0.25, on a machine "
+        "shared with other work, whose load only slows steps)",
+    )
+    plan.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]: the config to plan for")
+    plan.set_defaults(func=_cmd_plan)
     sft = sub.add_parser(
         "sft",
         parents=[debug],

@@ -1,11 +1,14 @@
 """The whole system in one process: rollouts and training overlap within the staleness bound, weights
 flow back with versions, checkpoints resume, and the final export loads."""
 
+import os
+
 import numpy as np
 import pytest
 
 from areal_jax.config import load_experiment
 from areal_jax.models.hf_io import load_hf_checkpoint
+from areal_jax.planning.calibration import read_calibration
 from areal_jax.system.async_rl import _TrainingRun, load_metrics, run_async
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 
@@ -49,6 +52,11 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, eta):
     assert len(list((cfg.run_dir / "profile").rglob("*.xplane.pb"))) == (1 if eta else 0)
 
     if eta == 0:
+        # the run is a calibration of `areal-jax plan`: both sides took turns on this process's cores
+        calibration = read_calibration(cfg.run_dir, skip=1)
+        cores = len(os.sched_getaffinity(0))
+        assert calibration.colocated and (calibration.gen_units, calibration.train_units) == (cores, cores)
+        assert calibration.gen_tokens_per_s > 0 and calibration.train_tokens_per_s > 0
         return  # resuming is the same code at any eta (and tests/test_resume_prompts.py kills the real process)
     resumed = run_async(cfg.replace(train_steps=6), resume=True)
     assert resumed.version == 6 and resumed.steps == 2

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from areal_jax.data.rollout_log import list_shards, read_shard
+from areal_jax.planning.calibration import read_calibration
 from areal_jax.system.async_rl import load_metrics
 
 ETA = 1
@@ -82,6 +83,12 @@ def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
     assert max(m["rollout/staleness_max"] for m in metrics) <= ETA
     assert metrics[-1]["weights/direct_loads"] > 0
     assert all(m["rollout/servers_reporting"] == 2 for m in metrics[2:])
+    cores = len(os.sched_getaffinity(0))
+    if cores >= 2:  # the roles on cores of their own: a split calibration of `areal-jax plan`
+        calibration = read_calibration(run_dir)
+        assert not calibration.colocated
+        assert (calibration.train_units, calibration.gen_units) == (cores // 2, cores - cores // 2)
+        assert calibration.gen_tokens_per_s > 0 and calibration.train_tokens_per_s > 0
 
     trained = [
         g

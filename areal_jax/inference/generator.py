@@ -265,6 +265,7 @@ class GeneratorStats:
     interruptions: int = 0
     updates: int = 0
     busy_slot_steps: int = 0
+    busy_seconds: float = 0.0  # wall time the loop spent working (not waiting for requests): the planner's rate
 
 
 class Generator:
@@ -391,7 +392,9 @@ class Generator:
         try:
             while self._take_commands(block=not self._has_work()):
                 if not self._paused:
+                    started = time.perf_counter()
                     self._iterate()
+                    self.stats.busy_seconds += time.perf_counter() - started
         except BaseException as err:  # surface loop failures to every waiter
             logger.exception("generator loop failed")
             error = err

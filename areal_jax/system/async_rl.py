@@ -49,6 +49,7 @@ from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.sharding import copy_to, state_shardings
+from areal_jax.system import resources
 from areal_jax.system.assembly import (
     build_meshes,
     build_prompts,
@@ -57,7 +58,7 @@ from areal_jax.system.assembly import (
     export_policy,
     load_policy,
 )
-from areal_jax.system.reporting import QUEUE, RunReporter
+from areal_jax.system.reporting import BATCH_WAIT, QUEUE, RunReporter
 from areal_jax.system.run_dir import check_run_dir, start_run_dir
 from areal_jax.system.trainer_processes import SharedBatches, TrainerProcesses
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
@@ -271,6 +272,7 @@ class InProcessRollouts:
         inference_params = copy_to(trainer.params, state_shardings(trainer.params, self.inference_mesh))
         params = engine.load_params(inference_params, trainer.version)
         engine.warmup(params)
+        resources.record_mesh(cfg.run_dir, "rollout-0", self.inference_mesh)
         self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
         if self.metadata:
             self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
@@ -421,6 +423,7 @@ class _TrainingRun:
         profile = ProfileWindow(self.cfg.profile, profile_dir)
         try:
             with rollouts.serving(self.trainer, on_failure=self.pipeline_stop.set):
+                resources.record_mesh(self.run_dir, f"trainer-{processes.index}", self.trainer.train_step.mesh)
                 try:
                     if self.cfg.eval.every_steps and self.heldout and not self.metadata:
                         self.before = self._evaluate(0, prefix="eval_before")
@@ -494,15 +497,18 @@ class _TrainingRun:
         primary = self.processes.primary
         with self.groups_path.open("a") if primary else contextlib.nullcontext() as trained_groups:
             while trainer.version < cfg.train_steps and not self._stop_agreed():
+                waiting = time.perf_counter()
                 batch = self._take_batch() if self.shared is None else self.shared.next(trainer.version + 1)
                 if batch is None:
                     break
+                waited = time.perf_counter() - waiting
                 self.ledger.consume(batch)
                 version_before = trainer.version
                 profile.before_step(version_before + 1)
                 stats = trainer.step(batch)
                 profile.after_step(trainer.version)
                 stats.update(_reward_stats(batch, version_before))
+                stats[BATCH_WAIT] = waited
                 if primary:
                     stats.update(self._step_stats(started))
                     self._monitor_logprobs(stats)

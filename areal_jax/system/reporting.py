@@ -74,6 +74,7 @@ EMITTED = "generator/emitted_tokens"
 INTERRUPTIONS = "generator/interruptions"
 QUEUE = "generator/queue"
 WALL = "time/wall"
+BATCH_WAIT = "time/batch_wait"  # seconds the trainer waited for the step's batch (the rollout side's share)
 KEPT_BY_STALENESS = "pipeline/kept_by_staleness/"
 
 _TAG_REFUSED = re.compile(r"[^-/\w.]")

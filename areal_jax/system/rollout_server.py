@@ -39,6 +39,7 @@ from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.sharding import make_mesh
+from areal_jax.system import resources
 from areal_jax.system.assembly import abstract_policy, build_prompts, build_tokenizer, build_workflow
 from areal_jax.system.cluster import (
     DIRECT_FALLBACKS,
@@ -95,6 +96,7 @@ def run_rollout_server(
     subscriber = _wait_for_trainer(control, run_dir / WEIGHTS_DIR, cfg, server, stop_event)
     if subscriber is None:
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
+    resources.record(run_dir, f"rollout-{server}", jax.local_devices())
     try:
         first = subscriber.load(subscriber.latest_version(), target)
         params = engine.load_params(first.params, first.version)

@@ -1,0 +1,53 @@
+"""What each role of a run computed on: `<run>/control/resources-<role>.json`, read by `areal-jax plan`.
+
+Every process of a run records its own share when it starts: the trainer's processes as `trainer-<process
+index>` (the devices of the trainer mesh local to that process), rollout server i as `rollout-<i>` (the
+one-process `train` records its inference mesh as `rollout-0`). A record holds the host, the platform and
+device kind, the device ids and the CPU cores the process may run on (`os.sched_getaffinity`, which
+`launch local` pins per role). On CPU the cores are what a role's speed depends on (XLA's CPU devices
+share the process's thread pool); elsewhere the devices are.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from areal_jax.system.cluster import control_dir, read_json, write_json_atomic
+
+_PREFIX = "resources-"
+
+
+def describe(devices: Iterable[jax.Device]) -> dict[str, Any]:
+    """This process's record for a role running on `devices` (its local ones)."""
+    devices = sorted(devices, key=lambda d: d.id)
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "devices": [d.id for d in devices],
+        "cores": sorted(os.sched_getaffinity(0)),
+    }
+
+
+def record(run_dir: Path, role: str, devices: Iterable[jax.Device]) -> None:
+    """Write this process's record as `role` (e.g. `trainer-0`, `rollout-2`)."""
+    write_json_atomic(control_dir(run_dir) / f"{_PREFIX}{role}.json", describe(devices))
+
+
+def record_mesh(run_dir: Path, role: str, mesh: jax.sharding.Mesh) -> None:
+    """`record` for the devices of `mesh` that belong to this process."""
+    record(run_dir, role, (d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def read_all(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every role's record in `run_dir`, by role name."""
+    found = sorted(control_dir(run_dir).glob(f"{_PREFIX}*.json"))
+    records = {path.stem.removeprefix(_PREFIX): read_json(path) for path in found}
+    return {role: value for role, value in records.items() if value is not None}
