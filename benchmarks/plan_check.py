@@ -10,13 +10,13 @@ Workload (`configs/train_cpu.yaml` with a 4-layer, 128-wide model): every answer
 packs into one shape and nothing compiles after the warm-up; the learning rate is 1e-7 so the policy, and
 with it the timing, stays put. What is timed is the system, not learning.
 
-Calibration, once, at 8 prompts x 8 samples a step: the split 1:1 with eta 4 (the sides overlap) and, in
-the full run, with eta 0 (they take turns), and the colocated arrangements (eta 0) on 1 and on 2 cores. On
-this CPU a side's speed does not scale linearly with cores, and a trainer in its own process trains slower
-when its host work runs beside its training (eta >= 1) than when it runs while it waits (eta 0), so every
-arrangement and regime a check uses is calibrated. Checks, each a fresh run right after the calibration of
-its arrangement (so both see about the same load from other work on the machine), at 16 prompts a step,
-predicted by `areal-jax plan`'s model from all the calibrations: the same four arrangements. Other work
+Calibration, once, at 8 prompts x 8 samples a step and eta 0: the split 1:1, and the colocated
+arrangements on 1 and on 2 cores (on this CPU a side's speed does not scale linearly with cores, so each
+core count a check uses is measured). Checks, each a fresh run right after the calibration of its
+arrangement (so both see about the same load from other work on the machine), at 16 prompts a step,
+predicted by `areal-jax plan`'s model from all the calibrations: the split with eta 4 (the sides overlap:
+predicted from the eta-0 run, as the planner does when no eta >= 1 split run is given) and, in the full
+run, with eta 0; the colocated arrangements on 1 and on 2 cores. Other work
 on the machine only ever slows a step, and it comes and goes within a run, so every time (calibration and
 check alike) is the lower quartile of the run's steady steps (the first `--skip` left out; `areal-jax plan
 --step-quantile 0.25`); `--passes N` repeats everything and keeps each arrangement's least loaded pass.
@@ -131,7 +131,7 @@ def predicted(arrangement: Arrangement, calibrations: Sequence[Calibration]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="10 steps a run (not 12), no eta-0 split")
+    parser.add_argument("--quick", action="store_true", help="10 steps a run (not 12), no eta-0 split check")
     parser.add_argument("--passes", type=int, default=1, help="repeat every run; the least loaded pass counts")
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of every run")
     parser.add_argument("--output-dir", help="keep the runs here (default: a temporary directory, deleted)")
@@ -140,25 +140,27 @@ def main() -> None:
         sys.exit("plan_check needs 2 CPU cores")
     steps = 10 if args.quick else 12
     print(f"load_average_before: {os.getloadavg()[0]:.2f} processes", flush=True)
-    split_eta0 = (Arrangement("cal-split-eta0", 2, False, 0, 8), Arrangement("split_eta0_b16", 2, False, 0, 16))
-    pairs = [  # (calibration, check): the check runs right after its calibration, under about the same load
-        (Arrangement("cal-split-eta4", 2, False, 4, 8), Arrangement("split_eta4_b16", 2, False, 4, 16)),
-        *([] if args.quick else [split_eta0]),
-        (Arrangement("cal-colocated1", 1, True, 0, 8), Arrangement("colocated1_eta0_b16", 1, True, 0, 16)),
-        (Arrangement("cal-colocated2", 2, True, 0, 8), Arrangement("colocated2_eta0_b16", 2, True, 0, 16)),
+    split_checks = [Arrangement("split_eta4_b16", 2, False, 4, 16)]
+    if not args.quick:
+        split_checks.append(Arrangement("split_eta0_b16", 2, False, 0, 16))
+    groups = [  # (calibration, its checks): they run right after it, under about the same load
+        (Arrangement("cal-split", 2, False, 0, 8), split_checks),
+        (Arrangement("cal-colocated1", 1, True, 0, 8), [Arrangement("colocated1_eta0_b16", 1, True, 0, 16)]),
+        (Arrangement("cal-colocated2", 2, True, 0, 8), [Arrangement("colocated2_eta0_b16", 2, True, 0, 16)]),
     ]
     calibrations: dict[str, Calibration] = {}  # the least loaded pass of each (shortest measured step)
     measured: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as temporary:
         output_dir = args.output_dir or temporary
         for repeat in range(args.passes):
-            for calibration_run, check in pairs:
+            for calibration_run, checks in groups:
                 calibration = read_calibration(run(calibration_run, steps, output_dir, repeat), args.skip, QUANTILE)
                 best = calibrations.get(calibration_run.name)
                 if best is None or calibration.step_s < best.step_s:
                     calibrations[calibration_run.name] = calibration
-                step = measured_step(run(check, steps, output_dir, repeat), args.skip)
-                measured[check.name] = min(step, measured.get(check.name, step))
+                for check in checks:
+                    step = measured_step(run(check, steps, output_dir, repeat), args.skip)
+                    measured[check.name] = min(step, measured.get(check.name, step))
     for name, calibration in calibrations.items():
         print(f"{name}_generation_rate: {calibration.gen_tokens_per_s / calibration.gen_units:.0f} tok/s/core")
         print(f"{name}_training_rate: {calibration.train_tokens_per_s / calibration.train_units:.0f} tok/s/core")
@@ -166,14 +168,14 @@ def main() -> None:
         print(f"{name}_handoff: {calibration.handoff_s or 0.0:.3f} s/step")
         print(f"{name}_step: {calibration.step_s:.3f} s")
     errors = []
-    for _, check in pairs:
+    for check in (check for _, checks in groups for check in checks):
         guess = predicted(check, list(calibrations.values()))
         error = abs(guess.step_s - measured[check.name]) / measured[check.name]
         errors.append(error)
         print(f"{check.name}_predicted: {guess.step_s:.3f} s ({guess.bottleneck} bound)")
         print(f"{check.name}_measured: {measured[check.name]:.3f} s")
         print(f"{check.name}_error: {error:.2f} ratio")
-    linear = predicted(pairs[-1][1], [calibrations["cal-split-eta4"], calibrations["cal-colocated1"]])
+    linear = predicted(groups[-1][1][0], [calibrations["cal-split"], calibrations["cal-colocated1"]])
     print(f"colocated2_eta0_b16_predicted_from_1_core_linear: {linear.step_s:.3f} s (not counted)")
     print(f"load_average_after: {os.getloadavg()[0]:.2f} processes")
     print(f"ratio plan_error_max: {max(errors):.2f}")

@@ -13,9 +13,7 @@ With D units split into d_gen + d_train (disjoint):
     eta = 0:  step = gen(d_gen) + handoff + train(d_train) + overhead
 
 Colocated (both sides on all D units, taking turns): step = gen(D) + train(D) + overhead (+ handoff when
-eta = 0). Speeds, `overhead` and `handoff` come from calibrations of the same topology: on a loaded CPU a
-trainer in its own process (publishing weights, reading the log on its one core) trains slower than the
-same trainer taking turns with generation in one process.
+eta = 0). Speeds, `overhead` and `handoff` come from calibrations of the same topology (`plan.py`).
 
 T(d) interpolates linearly between the unit counts a calibration measured; beyond them it is proportional
 to d from the nearest measured count (linear scaling: an assumption, shown as such by the planner).
