@@ -20,7 +20,8 @@ run, with eta 0; the colocated arrangements on 1 and on 2 cores. Other work
 on the machine only ever slows a step, and it comes and goes within a run, so every time (calibration and
 check alike) is the lower quartile of the run's steady steps (the first `--skip` left out; `areal-jax plan
 --step-quantile 0.25`); `--passes N` repeats everything and keeps each arrangement's least loaded pass.
-The load average of the machine is printed before and after.
+The load average of the machine is printed before and after, and for every run the share of its cores
+it used (a colocated run computes all the time: a share well below 1 means other work took the rest).
 Also printed, not counted: the colocated 2-core step predicted from the 1-core calibration alone (linear
 scaling in cores).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -94,7 +96,7 @@ def run(arrangement: Arrangement, steps: int, output_dir: str, repeat: int) -> P
         command = ["train", str(CONFIG), *overrides]
     else:
         command = ["launch", "local", "--rollout", "1", "--trainer-cores", "1", str(CONFIG), *overrides]
-    started = time.perf_counter()
+    started, used = time.perf_counter(), _children_cpu_seconds()
     subprocess.run(
         [sys.executable, "-m", "areal_jax.cli", *command],
         check=True,
@@ -102,8 +104,16 @@ def run(arrangement: Arrangement, steps: int, output_dir: str, repeat: int) -> P
         stderr=subprocess.DEVNULL,
         preexec_fn=lambda: os.sched_setaffinity(0, cores),
     )
-    print(f"{name}_run_seconds: {time.perf_counter() - started:.1f} s", flush=True)
+    wall = time.perf_counter() - started
+    share = (_children_cpu_seconds() - used) / (wall * len(cores))
+    print(f"{name}_run_seconds: {wall:.1f} s", flush=True)
+    print(f"{name}_cpu_share: {share:.2f} of its cores (the rest went to waits and to other work)", flush=True)
     return Path(output_dir) / name
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measured_step(run_dir: Path, skip: int) -> float:
