@@ -19,9 +19,10 @@ predicted from the eta-0 run, as the planner does when no eta >= 1 split run is 
 run, with eta 0; the colocated arrangements on 1 and on 2 cores. Other work
 on the machine only ever slows a step, and it comes and goes within a run, so every time (calibration and
 check alike) is the lower quartile of the run's steady steps (the first `--skip` left out; `areal-jax plan
---step-quantile 0.25`); `--passes N` repeats everything and keeps each arrangement's least loaded pass.
-The load average of the machine is printed before and after, and for every run the share of its cores
-it used (a colocated run computes all the time: a share well below 1 means other work took the rest).
+--step-quantile 0.25`). Every run measures how much of its cores other processes kept busy meanwhile
+(/proc/stat minus its own CPU time); above FOREIGN_LIMIT (0.2) it is made again, at most `--retries`
+times, and the least disturbed one counts: the same rule for calibrations and checks, blind to the
+prediction. The load average of the machine is printed before and after.
 Also printed, not counted: the colocated 2-core step predicted from the 1-core calibration alone (linear
 scaling in cores).
 
@@ -51,6 +52,7 @@ from areal_jax.system.async_rl import load_metrics
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train_cpu.yaml"
 QUANTILE = 0.25  # of the steady steps' times: the least loaded share of a run on a shared machine
+FOREIGN_LIMIT = 0.2  # share of a run's cores other processes may keep busy before the run is made again
 WORKLOAD = (
     "model.hidden_size=128",
     "model.intermediate_size=352",
@@ -80,9 +82,25 @@ class Arrangement:
     batch_prompts: int
 
 
-def run(arrangement: Arrangement, steps: int, output_dir: str, repeat: int) -> Path:
-    """Train `steps` steps in `arrangement`; the run's directory."""
-    name = f"{arrangement.name}-{repeat}"
+def run(arrangement: Arrangement, steps: int, output_dir: str, retries: int) -> Path:
+    """Train `steps` steps in `arrangement` until other work took at most FOREIGN_LIMIT of its cores (at most
+    1 + `retries` times); the directory of the least disturbed run."""
+    tries = []
+    for attempt in range(1 + retries):
+        name = f"{arrangement.name}-{attempt}"
+        wall, foreign = _run_once(arrangement, steps, output_dir, name)
+        tries.append((foreign, wall, name))
+        if foreign <= FOREIGN_LIMIT:
+            break
+    foreign, wall, name = min(tries)
+    print(f"{arrangement.name}_tries: {len(tries)} runs", flush=True)
+    print(f"{arrangement.name}_run_seconds: {wall:.1f} s", flush=True)
+    print(f"{arrangement.name}_foreign_load: {foreign:.2f} of its cores busy with other work", flush=True)
+    return Path(output_dir) / name
+
+
+def _run_once(arrangement: Arrangement, steps: int, output_dir: str, name: str) -> tuple[float, float]:
+    """(wall seconds, share of the run's cores other processes kept busy meanwhile)."""
     overrides = [
         *WORKLOAD,
         f"output_dir={output_dir}",
@@ -96,7 +114,7 @@ def run(arrangement: Arrangement, steps: int, output_dir: str, repeat: int) -> P
         command = ["train", str(CONFIG), *overrides]
     else:
         command = ["launch", "local", "--rollout", "1", "--trainer-cores", "1", str(CONFIG), *overrides]
-    started, used = time.perf_counter(), _children_cpu_seconds()
+    started, busy, used = time.perf_counter(), _busy_seconds(cores), _children_cpu_seconds()
     subprocess.run(
         [sys.executable, "-m", "areal_jax.cli", *command],
         check=True,
@@ -105,10 +123,19 @@ def run(arrangement: Arrangement, steps: int, output_dir: str, repeat: int) -> P
         preexec_fn=lambda: os.sched_setaffinity(0, cores),
     )
     wall = time.perf_counter() - started
-    share = (_children_cpu_seconds() - used) / (wall * len(cores))
-    print(f"{name}_run_seconds: {wall:.1f} s", flush=True)
-    print(f"{name}_cpu_share: {share:.2f} of its cores (the rest went to waits and to other work)", flush=True)
-    return Path(output_dir) / name
+    foreign = (_busy_seconds(cores) - busy) - (_children_cpu_seconds() - used)
+    return wall, max(0.0, foreign / (wall * len(cores)))
+
+
+def _busy_seconds(cores: Sequence[int]) -> float:
+    """CPU seconds `cores` have spent busy since boot, by every process (/proc/stat: all but idle, iowait)."""
+    ticks = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user_to_steal = [int(v) for v in fields[:8]]
+            ticks += sum(user_to_steal) - user_to_steal[3] - user_to_steal[4]
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _children_cpu_seconds() -> float:
@@ -142,7 +169,9 @@ def predicted(arrangement: Arrangement, calibrations: Sequence[Calibration]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="10 steps a run (not 12), no eta-0 split check")
-    parser.add_argument("--passes", type=int, default=1, help="repeat every run; the least loaded pass counts")
+    parser.add_argument(
+        "--retries", type=int, default=2, help="runs made again when other work took their cores (least disturbed kept)"
+    )
     parser.add_argument("--skip", type=int, default=3, help="warm-up steps left out of every run")
     parser.add_argument("--output-dir", help="keep the runs here (default: a temporary directory, deleted)")
     args = parser.parse_args()
@@ -158,19 +187,15 @@ def main() -> None:
         (Arrangement("cal-colocated1", 1, True, 0, 8), [Arrangement("colocated1_eta0_b16", 1, True, 0, 16)]),
         (Arrangement("cal-colocated2", 2, True, 0, 8), [Arrangement("colocated2_eta0_b16", 2, True, 0, 16)]),
     ]
-    calibrations: dict[str, Calibration] = {}  # the least loaded pass of each (shortest measured step)
+    calibrations: dict[str, Calibration] = {}
     measured: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as temporary:
         output_dir = args.output_dir or temporary
-        for repeat in range(args.passes):
-            for calibration_run, checks in groups:
-                calibration = read_calibration(run(calibration_run, steps, output_dir, repeat), args.skip, QUANTILE)
-                best = calibrations.get(calibration_run.name)
-                if best is None or calibration.step_s < best.step_s:
-                    calibrations[calibration_run.name] = calibration
-                for check in checks:
-                    step = measured_step(run(check, steps, output_dir, repeat), args.skip)
-                    measured[check.name] = min(step, measured.get(check.name, step))
+        for calibration_run, checks in groups:
+            calibration_dir = run(calibration_run, steps, output_dir, args.retries)
+            calibrations[calibration_run.name] = read_calibration(calibration_dir, args.skip, QUANTILE)
+            for check in checks:
+                measured[check.name] = measured_step(run(check, steps, output_dir, args.retries), args.skip)
     for name, calibration in calibrations.items():
         print(f"{name}_generation_rate: {calibration.gen_tokens_per_s / calibration.gen_units:.0f} tok/s/core")
         print(f"{name}_training_rate: {calibration.train_tokens_per_s / calibration.train_units:.0f} tok/s/core")

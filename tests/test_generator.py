@@ -176,6 +176,9 @@ def test_abort_pause_resume_and_stop_strings(models):
         gen.pause()  # each pause is a round trip through the loop, which runs an iteration between two of them
         gen.pause()  # when it ignores the pause: a decode step after `frozen` was read would come before this
         assert gen.stats.emitted_tokens == frozen
+        busy = gen.stats.busy_seconds
+        time.sleep(0.2)  # paused: the loop waits, and waiting is not working (the planner's generation rate)
+        assert 0 < gen.stats.busy_seconds == busy
         gen.resume()
         gen.abort("x")
         (aborted,) = endless.result(timeout=60)
