@@ -145,7 +145,7 @@ class OrbaxWeightSubscriber:
             try:
                 self._manager.reload()
                 steps = list(self._manager.all_steps())
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # a version deleted while Orbax read its metadata
                 continue
             self._listed, self._steps = listing, steps
             return steps
