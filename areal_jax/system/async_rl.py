@@ -445,7 +445,9 @@ class _TrainingRun:
         trace = _RewardTrace()
         with self.groups_path.open("a") as trained_groups:
             while trainer.version < cfg.train_steps and not self.checkpointer.stop_requested:
+                waiting = time.perf_counter()
                 batch = next(self.batches, None)
+                waited = time.perf_counter() - waiting
                 if batch is None:
                     if not (self.checkpointer.stop_requested or self.rollouts.failed()):
                         logger.info("the prompts are used up (dataset.epochs=%s)", cfg.dataset.epochs)
@@ -462,6 +464,7 @@ class _TrainingRun:
                 stats = trainer.step(batch)
                 profile.after_step(trainer.version)
                 stats.update(self._step_stats(batch, version_before, started))
+                stats["time/batch_wait_seconds"] = waited  # the trainer idle: the rollout side is behind
                 self._monitor_logprobs(stats)
                 self.reporter.log(trainer.version, stats)
                 groups = sorted({(t.group_id, t.prompt_id) for t in batch})
