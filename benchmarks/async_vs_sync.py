@@ -21,7 +21,9 @@ rollout log (each group's start and append time):
   run the wait splits into weights-to-generation (the new version reaching the server), generation (first
   group started to last sample written) and log-to-train (the trainer seeing and reading the batch);
 - the ideal overlap bound of the split: the eta = 0 step over max(trainer busy, trainer wait) of that run,
-  i.e. what eta = 4 gains if each side kept its eta = 0 pace and never waited for the other.
+  i.e. what eta = 4 gains if each side kept its eta = 0 pace and never waited for the other;
+- the trainer's CPU share (`time/process_cpu` over wall time): ~1 core when it had its core to itself.
+  On a machine shared with other work it is lower, and the runs compare only as far as it is alike.
 
 `--quick`: 40 steps per run, one run each; full: 120 steps, two runs each, alternating, the best of each.
 `--mode inprocess`: the earlier measurement, both sides in one process (`configs/train_cpu.yaml`, eta 2
