@@ -1,28 +1,34 @@
 """End to end: asynchronous RL against the synchronous baseline, on the distributed topology.
 
 `--mode distributed` (default): `areal-jax launch local` runs one rollout server process and the trainer
-process on separate CPU cores (half of this machine's cores each, as `launch local` splits them), on a
-workload with long-tailed answer lengths: the embedded running-sums task (2-12 terms) answered by a
-random-init policy, whose answers end when it happens to sample `<eos>` (geometric lengths, median ~18
-tokens, capped at 96). The two runs differ only in `rollout.staleness.max_head_offpolicyness`: 4 (rollouts
-run up to four versions ahead while the trainer works) against 0 (each batch comes from the current
-version only, so generation and training take turns). A third run is the colocated synchronous baseline:
-one process (`areal-jax train`), all cores for each phase, eta = 0.
+process, each on its own half of this machine's CPU cores, on a workload with long-tailed answer lengths:
+running sums of 2-5 terms answered by a random-init policy, whose answers end when it happens to sample
+`<eos>` (about geometric: median ~19 tokens, the longest of a batch ~5x that; capped at 112). Every
+reward is 0, so the policy does not move and every run generates the same answers: the length
+distribution stays put over the run and across runs. The two distributed runs differ only in
+`rollout.staleness.max_head_offpolicyness`: 4 (rollouts run up to four versions ahead while the trainer
+works) against 0 (each batch comes from the current version only, so generation and training take turns).
+A third run is the colocated synchronous baseline: one process (`areal-jax train`), all cores for each
+phase, eta = 0.
 
-Measures, in the steady state (the first quarter of the steps, which include compilation and warm-up, is
-left out): trainer steps per wall-clock second; per step of the eta = 0 run, the generation time (from the
-first group of the step's batch starting to its last sample written, read from the rollout log) and the
-training time (`train/step_time` + the blocking part of the weight publication); the rest of the step is
-overhead (weight transfer, polling, reading the log). The ideal overlap bound of the split is
-(generation + training) / max(generation, training): what eta = 4 would gain if each side ran alone on its
-cores at the eta = 0 run's speeds with nothing else in between. `--quick`: 40 steps per run, one run
-each; full: 120 steps, two runs each, alternating, the best of each counting.
+Measures, over the steady state (the steps after the first quarter, which include compilation and
+warm-up), from the trainer's metrics (`time/unix` at each step's end, `time/batch_wait`) and the
+rollout log (each group's start and append time):
 
+- steps per second, sustained: trained steps, less any part the backlog of groups written before the
+  window supplied (so a run draining a head start is not counted faster than it can go on);
+- per step, the trainer's busy time (the step minus its wait for the batch) and its wait; in the eta = 0
+  run the wait splits into weights-to-generation (the new version reaching the server), generation (first
+  group started to last sample written) and log-to-train (the trainer seeing and reading the batch);
+- the ideal overlap bound of the split: the eta = 0 step over max(trainer busy, trainer wait) of that run,
+  i.e. what eta = 4 gains if each side kept its eta = 0 pace and never waited for the other;
+- the trainer's CPU share (`time/process_cpu` over wall time): ~1 core when it had its core to itself.
+  On a machine shared with other work it is lower, and the runs compare only as far as it is alike.
+
+`--quick`: 40 steps per run, one run each; full: 120 steps, two runs each, alternating, the best of each.
 `--mode inprocess`: the earlier measurement, both sides in one process (`configs/train_cpu.yaml`, eta 2
-against 0).
-
-Prints `name: value unit` lines; the last is `ratio async_vs_sync`. The runs share a persistent XLA
-compilation cache (`runs/xla_cache`), so the first run on a machine compiles more than the later ones.
+against 0). Prints `name: value unit` lines; the last is `ratio async_vs_sync`. The runs share a persistent
+XLA compilation cache (`runs/xla_cache`): the first run on a machine compiles, the later ones load.
 """
 
 from __future__ import annotations
@@ -47,22 +53,21 @@ ARITHMETIC = ROOT / "configs" / "train_cpu.yaml"
 CACHE = ROOT / "runs" / "xla_cache"
 ETA_ASYNC = 4
 
-# A random-init policy (its answers end when it happens to sample <eos>: geometric lengths, median ~18 tokens)
-# on running sums of 2-5 terms, 4 prompts x 8 samples per step; no held-out evaluation or checkpoint inside
-# the timing. The same settings for all three runs.
+# The same settings for all three runs (the config's task, no warm start); no held-out evaluation or
+# checkpoint inside the timing.
 WORKLOAD = (
     "warm_start.steps=0",
-    "model.hidden_size=128",
+    "model.hidden_size=128",  # the config's model twice as wide: generation ~0.5 of training, not ~0.4
     "model.intermediate_size=352",
     "model.max_position_embeddings=128",
     "dataset.max_prompt_tokens=16",  # "Q: 9+9+9+9+9\nA: " is 16 characters
     "rollout.workflow.sampling.max_new_tokens=112",
     "rollout.engine.max_length=128",
-    "rollout.staleness.batch_prompts=4",
+    "rollout.staleness.batch_prompts=4",  # 4 prompts x 8 samples per step
     "rollout.engine.max_slots=32",  # a whole batch at once
-    "trainer.packing.token_budget=2048",
-    "trainer.packing.rows=16",
-    "trainer.packing.min_row_length=128",  # one shape, [1, 16, 128], for nearly every step: no compilation later
+    "trainer.packing.token_budget=1792",
+    "trainer.packing.rows=14",
+    "trainer.packing.min_row_length=128",  # one shape, [1, 14, 128], for nearly every step: no compilation later
     "cluster.weight_transfer=direct",  # a version reaches the server in milliseconds (the store: ~0.1 s)
     "cluster.weights_poll_s=0.01",
     "pipeline.poll_max_s=0.02",  # the trainer sees a finished group within 20 ms (default: up to 0.5 s)
@@ -75,23 +80,32 @@ WORKLOAD = (
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """One run's steady state; the per-step phases are means over its steps."""
+    """One run's steady state; the per-step times are means over its steps."""
 
-    steps_per_second: float  # sustained: trained steps, less what the start-up backlog of groups supplied
-    trained_steps_per_second: float  # trainer steps per second, backlog or not
+    steps_per_second: float  # sustained (see the module docstring)
+    trained_steps_per_second: float  # trainer steps per second, head start or not
+    busy_seconds: float  # the step minus the trainer's wait for its batch
+    wait_seconds: float  # the trainer waiting for its batch (and reading it)
     weights_seconds: float  # previous step's end -> the first group of this batch started
     generation_seconds: float  # first group of the batch started -> its last sample written
     log_seconds: float  # last sample written -> the train step started
     train_seconds: float  # the train step and the blocking part of the publication
+    trainer_cpu_share: float  # the trainer's CPU seconds / wall seconds: 1.0 per core it had to itself
     staleness_mean: float
     interruptions: float
     lengths: np.ndarray  # response tokens of every sample trained in the steady state
     batch_tail: float  # mean over steps of (longest / median response) in the batch
-    reward_last: float
 
     @property
     def seconds_per_step(self) -> float:
         return 1.0 / self.steps_per_second
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    started: float  # unix time the workflow took the group up
+    written: float  # unix time its samples were appended to the log
+    lengths: list[int]  # response tokens per sample
 
 
 def run_cli(args: list[str], log: Path) -> None:
@@ -106,15 +120,12 @@ def run_cli(args: list[str], log: Path) -> None:
         raise RuntimeError(f"areal-jax {' '.join(args[:3])} exited {code}; log: {log}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    started: float  # unix time the workflow took the group up
-    written: float  # unix time its samples were appended to the log
-    lengths: list[int]  # response tokens per sample
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def log_groups(run_dir: Path) -> dict[int, _Group]:
-    """Every group of the rollout log by id (a group's samples are generated and appended together)."""
+    """Every group of the run's rollout log by id (a group's samples are generated and appended together)."""
     samples: dict[int, list[tuple[float, float, int]]] = {}
     directory = run_dir / "rollout_log"
     for shard in list_shards(directory):
@@ -129,13 +140,8 @@ def log_groups(run_dir: Path) -> dict[int, _Group]:
     }
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def measure(run_dir: Path, steps: int) -> Measured:
-    """The steady state of a finished run: its steps after the first quarter (`time/unix` is when each step
-    ended, on the clock of the log's append times)."""
+    """The steady state of a finished run (`time/unix`: each step's end, on the clock of the log's times)."""
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     trained = read_jsonl(run_dir / "trained_groups.jsonl")
     if len(metrics) != steps:
@@ -147,31 +153,34 @@ def measure(run_dir: Path, steps: int) -> Measured:
     for v in range(skip, steps):
         batch = [groups[g] for g, _ in trained[v]["groups"]]
         started, written = min(g.started for g in batch), max(g.written for g in batch)
-        train_started = ends[v] - metrics[v]["train/step_time"] - metrics[v].get("weights/publish_blocking_seconds", 0)
+        train = metrics[v]["train/step_time"] + metrics[v].get("weights/publish_blocking_seconds", 0.0)
         weights.append(started - ends[v - 1])
         generation.append(written - started)
-        log.append(train_started - written)
+        log.append(ends[v] - train - written)
         batch_lengths = np.array([n for g in batch for n in g.lengths])
         lengths.append(batch_lengths)
         tails.append(batch_lengths.max() / np.median(batch_lengths))
+    steady = metrics[skip:]
     window = ends[-1] - ends[skip - 1]
+    wait = float(np.mean([m["time/batch_wait"] for m in steady]))
     trained_groups = sum(len(line["groups"]) for line in trained[skip:])
     produced = sum(ends[skip - 1] < g.written <= ends[-1] for g in groups.values())
-    steady = metrics[skip:]
     return Measured(
         steps_per_second=(steps - skip) * min(produced, trained_groups) / trained_groups / window,
         trained_steps_per_second=(steps - skip) / window,
+        busy_seconds=window / (steps - skip) - wait,
+        wait_seconds=wait,
         weights_seconds=float(np.mean(weights)),
         generation_seconds=float(np.mean(generation)),
         log_seconds=float(np.mean(log)),
         train_seconds=float(
-            np.mean([m["train/step_time"] + m.get("weights/publish_blocking_seconds", 0) for m in steady])
+            np.mean([m["train/step_time"] + m.get("weights/publish_blocking_seconds", 0.0) for m in steady])
         ),
+        trainer_cpu_share=(metrics[-1]["time/process_cpu"] - metrics[skip - 1]["time/process_cpu"]) / window,
         staleness_mean=float(np.mean([m["rollout/staleness_mean"] for m in steady])),
         interruptions=float(metrics[-1]["generator/interruptions"] - metrics[skip - 1]["generator/interruptions"]),
         lengths=np.concatenate(lengths),
         batch_tail=float(np.mean(tails)),
-        reward_last=float(np.mean([m["rollout/reward_mean"] for m in metrics[-max(steps // 5, 1) :]])),
     )
 
 
@@ -190,25 +199,21 @@ def colocated_run(steps: int, root: Path, name: str) -> Measured:
     return measure(root / name, steps)
 
 
-def best(results: list[Measured]) -> Measured:
-    return max(results, key=lambda r: r.steps_per_second)
-
-
-def print_run(name: str, result: Measured) -> None:
+def print_run(name: str, result: Measured, phases: bool) -> None:
     print(f"{name}_steps_per_second: {result.steps_per_second:.3f} steps/s")
-    print(f"{name}_trained_steps_per_second: {result.trained_steps_per_second:.3f} steps/s")
-    print(f"{name}_train_seconds: {result.train_seconds:.3f} s")
-    print(f"{name}_staleness_mean: {result.staleness_mean:.2f} versions")
-    print(f"{name}_interruptions: {result.interruptions:.0f} samples")
-    print(f"{name}_reward_last: {result.reward_last:.3f} reward")
-
-
-def print_phases(name: str, result: Measured) -> None:
-    """A synchronous run's step, phase by phase."""
     print(f"{name}_seconds_per_step: {result.seconds_per_step:.3f} s")
-    print(f"{name}_weights_to_generation_seconds: {result.weights_seconds:.3f} s")
-    print(f"{name}_generation_seconds: {result.generation_seconds:.3f} s")
-    print(f"{name}_log_to_train_seconds: {result.log_seconds:.3f} s")
+    print(f"{name}_trainer_busy_seconds: {result.busy_seconds:.3f} s")
+    print(f"{name}_train_step_seconds: {result.train_seconds:.3f} s")
+    print(f"{name}_trainer_wait_seconds: {result.wait_seconds:.3f} s")
+    print(f"{name}_trainer_cpu_share: {result.trainer_cpu_share:.2f} cores")
+    if phases:  # the wait of a synchronous run, phase by phase
+        print(f"{name}_weights_to_generation_seconds: {result.weights_seconds:.3f} s")
+        print(f"{name}_generation_seconds: {result.generation_seconds:.3f} s")
+        print(f"{name}_log_to_train_seconds: {result.log_seconds:.3f} s")
+    else:
+        print(f"{name}_trained_steps_per_second: {result.trained_steps_per_second:.3f} steps/s")
+        print(f"{name}_staleness_mean: {result.staleness_mean:.2f} versions")
+        print(f"{name}_interruptions: {result.interruptions:.0f} samples")
 
 
 def main_distributed(quick: bool, root: Path) -> None:
@@ -219,12 +224,16 @@ def main_distributed(quick: bool, root: Path) -> None:
     steps, repeats = (40, 1) if quick else (120, 2)
     CACHE.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[Measured]] = {"async": [], "sync": [], "colocated": []}
+    load_before = os.getloadavg()[0]
     for repeat in range(repeats):
         runs["async"].append(distributed_run(ETA_ASYNC, steps, root, f"async-{repeat}", trainer_cores))
         runs["sync"].append(distributed_run(0, steps, root, f"sync-{repeat}", trainer_cores))
         runs["colocated"].append(colocated_run(steps, root, f"colocated-{repeat}"))
-    async_, sync, colocated = best(runs["async"]), best(runs["sync"]), best(runs["colocated"])
+    async_, sync, colocated = (max(runs[k], key=lambda r: r.steps_per_second) for k in runs)
     lengths = sync.lengths
+    # other work on the machine takes cores from the pinned roles: see the *_trainer_cpu_share lines
+    print(f"load_average_before: {load_before:.2f} processes")
+    print(f"load_average_after: {os.getloadavg()[0]:.2f} processes")
     print(f"cores_trainer: {trainer_cores} cores")
     print(f"cores_rollout: {cores - trainer_cores} cores")
     print(f"steps_per_run: {steps} steps")
@@ -232,17 +241,12 @@ def main_distributed(quick: bool, root: Path) -> None:
     print(f"response_length_p90: {np.percentile(lengths, 90):.0f} tokens")
     print(f"response_length_max: {lengths.max():.0f} tokens")
     print(f"batch_longest_over_median: {sync.batch_tail:.2f} x")
-    print_run("sync", sync)
-    print_phases("sync", sync)
-    print_run("async", async_)
-    print_run("colocated", colocated)
-    print_phases("colocated", colocated)
-    # the eta = 0 step is the trainer's work and the rollout side's (weights in, generation, log out) in turn
-    rollout_side = sync.seconds_per_step - sync.train_seconds
-    ideal = max(rollout_side, sync.train_seconds)
+    print_run("sync", sync, phases=True)
+    print_run("async", async_, phases=False)
+    print_run("colocated", colocated, phases=True)
+    ideal = max(sync.busy_seconds, sync.wait_seconds)
     bound = sync.seconds_per_step / ideal
     ratio = async_.steps_per_second / sync.steps_per_second
-    print(f"sync_rollout_side_seconds: {rollout_side:.3f} s")
     print(f"ideal_async_seconds_per_step: {ideal:.3f} s")
     print(f"ideal_bound_async_vs_sync: {bound:.2f} x")
     print(f"achieved_fraction_of_bound: {ratio / bound:.2f}")
@@ -260,8 +264,7 @@ def main_inprocess(quick: bool, root: Path) -> None:
             args = [f"output_dir={root}", f"name={name}", f"train_steps={steps}"]
             args.append(f"rollout.staleness.max_head_offpolicyness={eta}")
             run_cli(["train", str(ARITHMETIC), *overrides, *args], root / f"{name}.log")
-            metrics = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-            wall = np.array([m["time/wall"] for m in metrics])
+            wall = np.array([m["time/wall"] for m in read_jsonl(root / name / "metrics.jsonl")])
             skip = steps // 4
             runs[eta].append((len(wall) - skip) / (wall[-1] - wall[skip - 1]))
     print(f"sync_steps_per_second: {max(runs[0]):.2f} steps/s")
@@ -273,9 +276,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="40 steps per run, one run each")
     parser.add_argument("--mode", choices=("distributed", "inprocess"), default="distributed")
-    parser.add_argument(
-        "--keep", type=Path, help="write the runs (logs, metrics, rollout logs) here, not to a temporary directory"
-    )
+    parser.add_argument("--keep", type=Path, help="keep the runs (logs, metrics, rollout logs) in this directory")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))

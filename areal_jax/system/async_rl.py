@@ -585,6 +585,7 @@ class _TrainingRun:
         self.before = {}
         stats["time/wall"] = time.perf_counter() - started
         stats["time/unix"] = time.time()  # the clock of the rollout log's append times and the servers' status files
+        stats["time/process_cpu"] = time.process_time()  # CPU seconds of all its threads: its share of its cores
         return stats
 
     def _evaluate(self, version: int, prefix: str = "eval") -> dict[str, float]:

@@ -153,6 +153,16 @@ class RunReporter:
         if config.live == "always" or (config.live == "auto" and sys.stderr.isatty()):
             self._start_live()
 
+    def _write_tensorboard(self, step: int, stats: Mapping[str, float]) -> None:
+        """Every scalar of the step in one event, flushed: an `add_scalar` per key (~100 keys) cost ~10 ms a
+        step, a twentieth of a small trainer's step."""
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import scalar
+
+        values = [scalar(tensorboard_tag(k), float(v)).value[0] for k, v in stats.items() if isinstance(v, int | float)]
+        self.tensorboard._get_file_writer().add_summary(Summary(value=values), step)  # SummaryWriter's own writer
+        self.tensorboard.flush()
+
     def __enter__(self) -> RunReporter:
         return self
 
@@ -164,10 +174,7 @@ class RunReporter:
         stats = dict(stats)
         self.metrics.write(json.dumps(stats) + "\n")
         self.metrics.flush()
-        for key, value in stats.items():
-            if isinstance(value, int | float):
-                self.tensorboard.add_scalar(tensorboard_tag(key), float(value), step)
-        self.tensorboard.flush()
+        self._write_tensorboard(step, stats)
         if self.wandb_run is not None:
             self.wandb_run.log(stats, step=step)
         previous = self.history[-1][1] if self.history else None
