@@ -47,6 +47,11 @@ class WarmStartConfig(Config):
     lr: float = option(3e-3, gt=0, doc="peak learning rate (AdamW, linear warmup then cosine decay to lr / 10)")
     warmup_steps: int = option(20, ge=0, doc="linear warmup steps")
     heldout_examples: int = option(256, ge=0, doc="held-out prompts scored before and after (teacher-forced)")
+    balance_answer_lengths: bool = option(
+        False,
+        doc="draw examples so that every answer length (in tokens) is equally likely, not every example: a task "
+        "whose short answers are rare (running sums: 25 two-term problems of 3,900) otherwise teaches only long ones",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,13 @@ class Examples:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def answer_length_weights(self) -> np.ndarray:
+        """Per-example draw probabilities that make each answer length (mask tokens) equally likely."""
+        lengths = self.mask.sum(axis=1).astype(np.int64)
+        counts = np.bincount(lengths)
+        weights = 1.0 / counts[lengths]
+        return weights / weights.sum()
 
 
 def encode_examples(
@@ -138,9 +150,14 @@ def train_warm_start(model: Decoder, config: WarmStartConfig, examples: Examples
     )
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.0), wrt=nnx.Param)
     rng = np.random.default_rng([seed, 0x5F7])
+    weights = examples.answer_length_weights() if config.balance_answer_lengths else None
     losses = []
     for _ in range(config.steps):
-        losses.append(_sft_step(model, optimizer, *examples.rows(rng.integers(0, len(examples), config.batch_size))))
+        if weights is None:
+            index = rng.integers(0, len(examples), config.batch_size)
+        else:
+            index = rng.choice(len(examples), size=config.batch_size, p=weights)
+        losses.append(_sft_step(model, optimizer, *examples.rows(index)))
     return [float(loss) for loss in losses]
 
 

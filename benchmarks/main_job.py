@@ -33,6 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_NAME = "async-chain-sums"
 
 
+def accuracy_by_terms(run_dir: Path) -> dict[int, float]:
+    """Held-out pass@1 of the last evaluation by the problem's number of terms (the task draws each term
+    count equally until its problems run out, so 5-term problems are ~78% of the held-out set)."""
+    last = max((run_dir / "eval").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    correct: dict[int, list[bool]] = {}
+    for sample in json.loads((last / "eval.json").read_text())["samples"]:
+        correct.setdefault(sample["prompt"].count("+") + 1, []).append(bool(sample["correct"]))
+    return {terms: sum(c) / len(c) for terms, c in sorted(correct.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="30 RL steps instead of the main job's 300")
@@ -65,6 +75,8 @@ def main() -> None:
     print(f"staleness_min_of_step_means: {min(stale):.2f} versions")
     print(f"staleness_max: {max(m['rollout/staleness_max'] for m in metrics):.0f} versions")
     print(f"interruptions: {metrics[-1]['generator/interruptions']:.0f} interruptions")
+    for terms, accuracy in accuracy_by_terms(run_dir).items():
+        print(f"accuracy_after_{terms}_terms: {accuracy:.3f}")
     print(f"ratio heldout_accuracy: {after:.2f}")
 
 

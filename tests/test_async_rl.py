@@ -17,6 +17,7 @@ FAST = [
     "rollout.staleness.batch_prompts=2",
     "rollout.workflow.n_samples=2",
     "rollout.engine.max_slots=8",
+    "rollout.engine.max_prefill_batch=2",  # batches are 2 prompts: fewer engine programs to compile
     "trainer.packing.token_budget=256",
     "trainer.packing.rows=4",
     "train_checkpoint.every_steps=2",

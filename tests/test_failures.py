@@ -42,6 +42,8 @@ def test_a_reward_that_always_raises_stops_the_run_within_the_budget(tmp_path):
             f"output_dir={tmp_path}",
             "reward.kind=tests.test_failures:always_raises",
             "rollout.failures.max_consecutive=6",
+            "rollout.engine.max_slots=8",  # a small engine: fewer programs to compile before the failures
+            "rollout.engine.max_prefill_batch=2",
         ],
     )
     started = time.perf_counter()

@@ -36,6 +36,7 @@ RUN = [
     f"rollout.staleness.max_head_offpolicyness={ETA}",
     "rollout.workflow.n_samples=2",
     "rollout.engine.max_slots=8",
+    "rollout.engine.max_prefill_batch=2",  # batches are 2 prompts: fewer engine programs to compile
     "trainer.packing.token_budget=256",
     "trainer.packing.rows=4",
     "train_checkpoint.every_steps=2",

@@ -88,6 +88,17 @@ def test_examples_mask_exactly_the_answer_and_its_stop_token():
         encode_examples([record], _render, tokenizer, length=8)
 
 
+def test_balanced_draws_make_every_answer_length_equally_likely():
+    answers = ["3"] * 6 + ["3,7"] * 3 + ["3,7,12"]  # answer lengths 1, 3, 6 characters (+ the stop token)
+    records = [PromptRecord(f"s{i}", "1+2", a, None, "chain_sums", {}) for i, a in enumerate(answers)]
+    weights = encode_examples(records, _render, CharTokenizer(), length=24).answer_length_weights()
+    expected = np.array([1 / 18] * 6 + [1 / 9] * 3 + [1 / 3])  # a third per length, split among its examples
+    np.testing.assert_allclose(weights, expected, rtol=1e-12)
+    drawn = np.random.default_rng(0).choice(len(records), size=30_000, p=weights)
+    share_by_length = [np.isin(drawn, group).mean() for group in (range(6), range(6, 9), [9])]
+    np.testing.assert_allclose(share_by_length, [1 / 3] * 3, atol=0.01)
+
+
 def test_fit_raises_teacher_forced_scores_that_match_greedy_decoding_and_numpy():
     tokenizer = CharTokenizer()
     records = [PromptRecord(f"s{i}", f"{i}+{i % 3}", str(i + i % 3), None, "chain_sums", {}) for i in range(8)]
