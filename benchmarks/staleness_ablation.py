@@ -4,10 +4,10 @@ the ratio against the behaviour policy) and decoupled PPO (`trainer.ppo.decouple
 the proximal policy, weighted by pi_prox / pi_behav).
 
 Every run has the same seed, the same warm start (trained once, then copied into each run directory, whose
-cache it is) and the same number of trained samples (`--steps` x 8 prompts x 8 samples). Per run: the
-final held-out pass@1 (sampled, as that job evaluates it), the mean staleness of the trained samples,
-and the effective training throughput (trained samples per second of wall time between the first and the
-last step, so compilation is left out). The runs go one after another in this process.
+cache it is) and the same number of trained samples (`--steps` x the config's batch: 32 prompts x 8
+samples). Per run: the final held-out pass@1 (sampled, as that job evaluates it), the mean staleness of
+the trained samples, and the effective training throughput (trained samples per second of wall time
+between the first and the last step, so compilation is left out). The runs go one after another in this process.
 
 Prints a markdown table and `name: value unit` lines, writes a PNG (`--plot`, default
 docs/img/staleness_ablation.png; `--quick`: a temporary file), and last `ratio
