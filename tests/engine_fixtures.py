@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import Decoder
+from areal_jax.models.decoder import Decoder, KVCache
 
 TINY = ModelConfig(
     vocab_size=48,
@@ -56,3 +56,8 @@ def scoring_logprobs(model: Decoder, prompt: list[int], output: list[int], tempe
         temperature,
     )
     return np.asarray(logp[0, len(prompt) - 1 : n - 1])
+
+
+def cached_keys(cache: KVCache) -> np.ndarray:
+    """The keys a cache holds, by position: [Y, B, S, K, H] (the cache stores each layer's as [B, K, H, S])."""
+    return np.stack([np.asarray(k).transpose(0, 3, 1, 2) for k in cache.k])

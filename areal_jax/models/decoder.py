@@ -5,8 +5,9 @@
 (b) `prefill`: right-padded prompts -> logits of each last prompt token and a fresh KV cache;
 (c) `decode_step`: one token per slot against a slot-indexed KV cache, written in place.
 
-Layers are stacked along a leading "layers" axis and run with `lax.scan`, so compile time does not
-grow with depth. Every path masks the logits of embedding rows past the tokenizer (`vocab_limit`) with
+Layers are stacked along a leading "layers" axis. (a) and (b) run them with `lax.scan`, so their compile
+time does not grow with depth; (c) unrolls them to read each layer's cache in place (see `KVCache`).
+Every path masks the logits of embedding rows past the tokenizer (`vocab_limit`) with
 `mask_padded_vocab`, so nothing samples them and every softmax is over the same usable ids.
 
 Legend: B batch rows (or cache slots), T length, S cache length, D model width, V vocab,
@@ -15,7 +16,7 @@ Y layers, K key/value heads, H head dim, C chunk length.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -47,17 +48,59 @@ def mask_padded_vocab(logits_xV: jax.Array, usable_vocab: int) -> jax.Array:
     return jnp.where(ids_xV < usable_vocab, logits_xV, MASKED_LOGIT)
 
 
+# Logical axes of one layer's cached keys and values. Keys are stored transposed ([B, K, H, S]) and values
+# as [B, K, S, H], so both decode attention dots read a layer's cache in place, with no transpose.
+KEY_CACHE_AXES = ("slots", "kv_heads", "head_dim", "length")
+VALUE_CACHE_AXES = ("slots", "kv_heads", "length", "head_dim")
+
+
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer: k, v [Y, B, S, K, H] (B = batch rows or cache slots)."""
+    """Keys and values of every layer, one array per layer (B = batch rows or cache slots, S = length):
+    k[y] [B, K, H, S] and v[y] [B, K, S, H]. One array per layer lets the unrolled decode step read and
+    write each layer's cache in place; a stacked [Y, ...] array would be copied slice by slice."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> KVCache:
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
-        return cls(k=jnp.zeros(shape, cfg.compute_jnp_dtype), v=jnp.zeros(shape, cfg.compute_jnp_dtype))
+        k, h, dtype = cfg.num_kv_heads, cfg.resolved_head_dim, cfg.compute_jnp_dtype
+        return cls(
+            k=tuple(jnp.zeros((batch, k, h, length), dtype) for _ in range(cfg.num_layers)),
+            v=tuple(jnp.zeros((batch, k, length, h), dtype) for _ in range(cfg.num_layers)),
+        )
+
+    @classmethod
+    def from_entries(cls, k_YxBxSxKxH: jax.Array, v_YxBxSxKxH: jax.Array) -> KVCache:
+        """The cache holding these per-position entries (the layout a layer scan produces)."""
+        layers = range(k_YxBxSxKxH.shape[0])
+        return cls(
+            k=tuple(k_YxBxSxKxH[y].transpose(0, 2, 3, 1) for y in layers),
+            v=tuple(v_YxBxSxKxH[y].transpose(0, 2, 1, 3) for y in layers),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[-1]
+
+    def put_rows(self, prefix: KVCache, rows_B: jax.Array) -> KVCache:
+        """This cache with `prefix` row b written at row rows_B[b], positions [0, prefix.length); rows out
+        of range are dropped."""
+        t = prefix.length
+        return KVCache(
+            k=tuple(
+                c.at[rows_B, :, :, :t].set(p.astype(c.dtype), mode="drop")
+                for c, p in zip(self.k, prefix.k, strict=True)
+            ),
+            v=tuple(
+                c.at[rows_B, :, :t].set(p.astype(c.dtype), mode="drop") for c, p in zip(self.v, prefix.v, strict=True)
+            ),
+        )
 
 
 class Decoder(nnx.Module):
@@ -157,8 +200,8 @@ class Decoder(nnx.Module):
     # -- (b) prefill --------------------------------------------------------------------------
 
     def prefill(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Run right-padded prompts; return fp32 logits [B, V] at each last real token and the KV cache
-        [Y, B, T, K, H] (entries past a prompt's length are garbage and must stay masked)."""
+        """Run right-padded prompts; return fp32 logits [B, V] at each last real token and their KV cache
+        of length T (entries past a prompt's length are garbage and must stay masked)."""
         b, t = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
@@ -167,42 +210,54 @@ class Decoder(nnx.Module):
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=k_YxBxTxKxH, v=v_YxBxTxKxH)
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache.from_entries(k_YxBxTxKxH, v_YxBxTxKxH)
 
     # -- (c) decode ---------------------------------------------------------------------------
 
+    def layer_states(self) -> tuple[nnx.State, ...]:
+        """Each layer's weights as its own arrays (a copy of the stacked ones), for `decode_step`."""
+        _, stacked = nnx.split(self.layers)
+        return tuple(jax.tree.map(lambda stack, y=y: stack[y], stacked) for y in range(self.config.num_layers))
+
     def decode_step(
-        self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, attend_length: int | None = None
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        cache: KVCache,
+        attend_length: int | None = None,
+        layer_states: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Feed one token per slot at `positions_B`: attend to cache entries before that position plus
-        the token itself, then write its keys/values into the cache at that position (one scatter over
-        all layers after the scan, so with a donated cache nothing is copied). With `attend_length`
-        (static, > every position) only that prefix of the cache is read. Returns fp32 logits [B, V]
-        and the cache."""
+        """Feed one token per slot at `positions_B`: write its keys/values into the cache at that position
+        (in place when the cache is donated), then attend to the cache up to and including it. With
+        `attend_length` (static, > every position) only that prefix of the cache is read. Returns fp32
+        logits [B, V] and the cache.
+
+        The layers are unrolled (not scanned) so each layer's attention reads its own cache arrays in
+        place: inside a scan, the layer's slice of a stacked cache is a copy. Likewise the weights:
+        `layer_states` (from `layer_states()`) are read in place, while without them each layer's
+        weights are sliced (copied) out of the stacked ones on every call."""
         attend = get_attention(self.config.attention_impl, decode=True)
-        b = cache.k.shape[1]
-        s = cache.k.shape[2] if attend_length is None else attend_length
-        cache_valid_BxS = jnp.arange(s)[None, :] < positions_B[:, None]
+        s = cache.length if attend_length is None else attend_length
+        valid_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
         sin, cos = self._rope(positions_B[:, None])
-
-        def body(x_Bx1xD: jax.Array, layer: DecoderLayer, index: jax.Array):
+        rows_B = jnp.arange(cache.batch)
+        graphdef, _ = nnx.split(self.layers)
+        layer_states = self.layer_states() if layer_states is None else layer_states
+        x_Bx1xD = self._embed(tokens_B[:, None])
+        keys, values = [], []
+        for layer_state, k_cache_BxKxHxS, v_cache_BxKxSxH in zip(layer_states, cache.k, cache.v, strict=True):
+            layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
-            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-            k_cache = jax.lax.dynamic_index_in_dim(cache.k, index, axis=0, keepdims=False)[:, :s]
-            v_cache = jax.lax.dynamic_index_in_dim(cache.v, index, axis=0, keepdims=False)[:, :s]
-            out = attend(q, k_cache, v_cache, k, v, cache_valid_BxS=cache_valid_BxS)
-            return layer.finish(x_Bx1xD, out), (k[:, 0], v[:, 0])
-
-        x_Bx1xD, (k_new_YxBxKxH, v_new_YxBxKxH) = self._scan_layers(body, self._embed(tokens_B[:, None]))
-        rows_B = jnp.arange(b)
-        cache = KVCache(
-            k=cache.k.at[:, rows_B, positions_B].set(k_new_YxBxKxH),
-            v=cache.v.at[:, rows_B, positions_B].set(v_new_YxBxKxH),
-        )
+            # Written before it is read: the attention then reads the updated array itself, where reading
+            # first would make XLA keep (copy) the old one for the read.
+            keys.append(k_cache_BxKxHxS.at[rows_B, :, :, positions_B].set(k[:, 0].astype(k_cache_BxKxHxS.dtype)))
+            values.append(v_cache_BxKxSxH.at[rows_B, :, positions_B].set(v[:, 0].astype(v_cache_BxKxSxH.dtype)))
+            out = attend(q, keys[-1][..., :s], values[-1][:, :, :s], valid_BxS=valid_BxS)
+            x_Bx1xD = layer.finish(x_Bx1xD, out)
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), cache
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=tuple(keys), v=tuple(values))
 
 
 def chunked_logprobs(
