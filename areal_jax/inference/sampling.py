@@ -76,15 +76,15 @@ def sample_slots(
     top_S = jnp.max(source_SxV, axis=-1)
     weights_SxV = jnp.exp(source_SxV - top_S[:, None])
     cdf_SxV = jnp.cumsum(weights_SxV, axis=-1)
-    total_S = cdf_SxV[:, -1]
-    threshold_S = jax.vmap(jax.random.uniform)(keys_S) * total_S
+    threshold_S = jax.vmap(jax.random.uniform)(keys_S) * cdf_SxV[:, -1]
     ids_SxV = jax.lax.broadcasted_iota(jnp.int32, source_SxV.shape, 1)
     # u * total can round up to total: never step past the last id with any mass.
     last_S = jnp.max(jnp.where(weights_SxV > 0, ids_SxV, 0), axis=-1)
     drawn_S = jnp.minimum(jnp.sum(cdf_SxV <= threshold_S[:, None], axis=-1, dtype=jnp.int32), last_S)
     tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
     chosen_S = jnp.take_along_axis(source_SxV, tokens_S[:, None], axis=-1)[:, 0]
-    return tokens_S, chosen_S - top_S - jnp.log(total_S)
+    # The normaliser is a reduction, as in log_softmax: the running sum's last entry is less accurate.
+    return tokens_S, chosen_S - top_S - jnp.log(jnp.sum(weights_SxV, axis=-1))
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: float | jax.Array) -> tuple[jax.Array, jax.Array]:
