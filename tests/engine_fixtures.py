@@ -59,5 +59,6 @@ def scoring_logprobs(model: Decoder, prompt: list[int], output: list[int], tempe
 
 
 def cached_keys(cache: KVCache) -> np.ndarray:
-    """The keys a cache holds, by position: [Y, B, S, K, H] (the cache stores each layer's as [B, K, H, S])."""
-    return np.stack([np.asarray(k).transpose(0, 3, 1, 2) for k in cache.k])
+    """The keys a cache holds, by position: [Y, B, S, K, H] (the cache stores each layer's as segments
+    [B, K, H, S_j])."""
+    return np.stack([np.concatenate([np.asarray(k) for k in layer], axis=3).transpose(0, 3, 1, 2) for layer in cache.k])

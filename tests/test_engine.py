@@ -79,7 +79,7 @@ def test_sharded_generation_equals_single_device():
             futures = [gen.submit(p, GREEDY) for p in prompts]
             outputs[name] = [f.result(timeout=180)[0].output_ids for f in futures]
         if mesh is not None:
-            assert len(engine.init_decode_state().cache.k[0].sharding.device_set) == 8
+            assert len(engine.init_decode_state().cache.k[0][0].sharding.device_set) == 8
             q = jax.tree.leaves(engine.load_params(nnx.state(model), 0).state)[0]
             assert len(q.sharding.device_set) == 8
     assert outputs["sharded"] == outputs["single"]

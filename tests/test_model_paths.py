@@ -115,18 +115,20 @@ def test_decode_step_jitted_with_donated_cache_equals_eager(model):
     assert np.abs(untouched).sum() == 0
 
 
-def test_decode_step_neither_copies_nor_transposes_the_cache(model):
-    """Every instruction of the compiled (donated) step that yields a layer's cache array is a parameter,
-    the in-place write, or plumbing: no copy, transpose or slice of the cache."""
+@pytest.mark.parametrize("attend_length", [None, 8])
+def test_decode_step_neither_copies_nor_transposes_the_cache(model, attend_length):
+    """Every instruction of the compiled (donated) step that yields a cache array is a parameter, the
+    in-place write, or plumbing: no copy, transpose or slice of the cache, also when it attends to the
+    segments covering a prefix only."""
     graphdef, state = nnx.split(model)
 
     def step(state, layers, tokens, positions, cache):
-        return nnx.merge(graphdef, state).decode_step(tokens, positions, cache, layer_states=layers)
+        return nnx.merge(graphdef, state).decode_step(tokens, positions, cache, attend_length, layers)
 
-    cache = KVCache.zeros(CFG, batch=3, length=16)
+    cache = KVCache.zeros(CFG, batch=3, length=16, first_segment=4)  # segments end at 4, 8, 16
     args = (state, model.layer_states(), jnp.asarray([1, 2, 3]), jnp.asarray([0, 3, 5]), cache)
     hlo = jax.jit(step, donate_argnums=(4,)).lower(*args).compile().as_text()
-    shapes = {",".join(map(str, a.shape)) for a in (*cache.k, *cache.v)}
+    shapes = {",".join(map(str, a.shape)) for a in jax.tree.leaves(cache)}
     producers = re.findall(r"= f32\[([\d,]+)\]\{[\d,]+\} ([\w-]+)\(([^)]*)\)", hlo)
     kinds = {kind for shape, kind, _ in producers if shape in shapes}
     assert kinds <= {"parameter", "fusion", "bitcast", "get-tuple-element", "scatter"}, kinds
@@ -169,11 +171,14 @@ def test_bf16_compute_is_close_to_fp32():
     assert float(jnp.abs(b - a).max()) > 0  # bf16 really changed the numerics
 
 
-def test_decode_reading_a_cache_prefix_equals_reading_all(model):
+@pytest.mark.parametrize("first_segment", [None, 4])  # one segment (prefix sliced); segments ending at 4, 8, 16, 32
+def test_decode_reading_a_cache_prefix_equals_reading_all(model, first_segment):
     rng = np.random.default_rng(4)
     shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.resolved_head_dim)
     cache = KVCache.from_entries(
-        jnp.asarray(rng.standard_normal(shape), jnp.float32), jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        first_segment,
     )
     tokens, positions = jnp.asarray([1, 2, 3]), jnp.asarray([0, 5, 7])
     full_logits, full_cache = model.decode_step(tokens, positions, cache)

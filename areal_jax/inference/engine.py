@@ -32,16 +32,10 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache
+from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache, segment_ends
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
-
-# The decode step reads the whole cache in place, or a prefix of it that XLA first copies out (a slice is a
-# copy): about three passes over the prefix against one over the cache, so a prefix pays only when it is at
-# most about a third of the cache; prefixes are powers of two, hence a quarter (measured on XLA:CPU, 64
-# slots: a 1/4 prefix step 0.74x the whole-cache step's time, a 1/2 prefix 1.08x).
-PREFIX_READ_FRACTION = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +66,9 @@ class EngineConfig(Config):
         return (*sizes, cap)
 
     def prefill_buckets(self) -> tuple[int, ...]:
-        """Power-of-two prefill lengths from min_prefill_bucket up to max_length (which is always one)."""
-        buckets = []
-        size = 1 << (self.min_prefill_bucket - 1).bit_length()
-        while size < self.max_length:
-            buckets.append(size)
-            size *= 2
-        return (*buckets, self.max_length)
+        """Power-of-two prefill lengths from min_prefill_bucket up to max_length (which is always one); also
+        where the decode cache's segments end, so a bucket's prefill fills whole segments."""
+        return segment_ends(self.max_length, 1 << (self.min_prefill_bucket - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +125,12 @@ class ResultTokens:
 
 
 def cache_shardings(model: ModelConfig, batch: int, length: int, mesh: Mesh) -> KVCache:
-    """Where each layer's cache arrays live on `mesh` (KV heads split like the attention weights)."""
+    """Where a cache's arrays live on `mesh` (KV heads split like the attention weights): one sharding for
+    all keys and one for all values, a pytree prefix of any cache of `batch` rows however segmented."""
     k, h = model.num_kv_heads, model.resolved_head_dim
     key = NamedSharding(mesh, logical_to_spec(KEY_CACHE_AXES, (batch, k, h, length), mesh))
     value = NamedSharding(mesh, logical_to_spec(VALUE_CACHE_AXES, (batch, k, length, h), mesh))
-    return KVCache(k=(key,) * model.num_layers, v=(value,) * model.num_layers)
+    return KVCache(k=key, v=value)
 
 
 def bucket_for(length: int, buckets: tuple[int, ...]) -> int:
@@ -204,7 +195,7 @@ class Engine:
     def _init_decode_state_impl(self) -> DecodeState:
         cfg, s = self.model_config, self.config.max_slots
         return DecodeState(
-            cache=KVCache.zeros(cfg, s, self.config.max_length),
+            cache=KVCache.zeros(cfg, s, self.config.max_length, first_segment=self.buckets[0]),
             positions=jnp.zeros((s,), jnp.int32),
             tokens=jnp.zeros((s,), jnp.int32),
             logprobs=jnp.zeros((s,), jnp.float32),
@@ -285,10 +276,9 @@ class Engine:
         self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step over all slots. `max_position` (host-side: the largest position any active slot
-        writes this step) lets the step read only a bucketed prefix of the cache when that prefix is at
-        most PREFIX_READ_FRACTION of it."""
+        writes this step) lets the step read only the cache segments up to the bucket covering it."""
         attend_length = None if max_position is None else bucket_for(max_position + 1, self.buckets)
-        if attend_length is not None and attend_length > self.config.max_length * PREFIX_READ_FRACTION:
+        if attend_length == self.config.max_length:
             attend_length = None
         return self._generate(params.state, params.layers, decode_state, attend_length)
 
@@ -318,7 +308,7 @@ class Engine:
         slots = self.config.max_slots
         if self.mesh is None:
             per_slot = keys = self._single()
-            cache = jax.tree.map(lambda _: self._single(), KVCache.zeros(self.model_config, 1, 1))
+            cache = KVCache(k=self._single(), v=self._single())
         else:
             per_slot = NamedSharding(self.mesh, logical_to_spec(("slots",), (slots,), self.mesh))
             keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (slots, 2), self.mesh))
@@ -335,7 +325,7 @@ class Engine:
         )
 
     def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
-        logits_BxV, cache = nnx.merge(self.graphdef, state).prefill(tokens_BxT, lengths_B)
+        logits_BxV, cache = nnx.merge(self.graphdef, state).prefill(tokens_BxT, lengths_B, self.buckets[0])
         return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B)
 
     def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:

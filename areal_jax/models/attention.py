@@ -12,7 +12,7 @@ written). `xla` is the only implementation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,22 +79,32 @@ def xla_attention(
 
 
 def xla_decode_attention(
-    q_Bx1xNxH: jax.Array, k_cache_BxKxHxS: jax.Array, v_cache_BxKxSxH: jax.Array, *, valid_BxS: jax.Array
+    q_Bx1xNxH: jax.Array,
+    k_segments: Sequence[jax.Array],
+    v_segments: Sequence[jax.Array],
+    *,
+    valid_BxS: jax.Array,
 ) -> jax.Array:
     """One query token per row attending to the cache entries `valid_BxS` marks (its own included).
 
-    The cache layouts (keys [B, K, H, S], values [B, K, S, H]) make both dots plain batched matmuls over
-    (B, K), so XLA reads the cache without transposing it.
+    The cache comes in segments along its length (keys [B, K, H, S_j], values [B, K, S_j, H], together
+    S long): one softmax over all their scores. The layouts make every dot a plain batched matmul over
+    (B, K) that reads its segment where it lies, with no transpose or copy.
     """
     b, _, n, h = q_Bx1xNxH.shape
-    k_heads = k_cache_BxKxHxS.shape[1]
+    k_heads = k_segments[0].shape[1]
     q_BxKxGxH = q_Bx1xNxH.reshape(b, k_heads, n // k_heads, h)
-    scores_BxKxGxS = jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k_cache_BxKxHxS, preferred_element_type=jnp.float32) * (
-        h**-0.5
-    )
+    scores_BxKxGxS = jnp.concatenate(
+        [jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k, preferred_element_type=jnp.float32) for k in k_segments],
+        axis=-1,
+    ) * (h**-0.5)
     scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, jnp.finfo(jnp.float32).min)
-    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_cache_BxKxSxH.dtype)
-    out_BxKxGxH = jnp.einsum("bkgs,bksh->bkgh", probs_BxKxGxS, v_cache_BxKxSxH, preferred_element_type=jnp.float32)
+    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1)
+    out_BxKxGxH, start = 0.0, 0
+    for v in v_segments:
+        probs = probs_BxKxGxS[..., start : start + v.shape[2]].astype(v.dtype)
+        out_BxKxGxH = out_BxKxGxH + jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)
+        start += v.shape[2]
     return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
 
 
