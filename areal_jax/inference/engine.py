@@ -307,8 +307,7 @@ class Engine:
     def _make_decode_shardings(self) -> DecodeState:
         slots = self.config.max_slots
         if self.mesh is None:
-            per_slot = keys = self._single()
-            cache = KVCache(k=self._single(), v=self._single())
+            cache = per_slot = keys = self._single()
         else:
             per_slot = NamedSharding(self.mesh, logical_to_spec(("slots",), (slots,), self.mesh))
             keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (slots, 2), self.mesh))

@@ -287,7 +287,8 @@ class Decoder(nnx.Module):
         # is not a segment end; each slot's new entry goes to the segment holding its position (an
         # out-of-range index elsewhere, so that segment's write drops it).
         spans = [(a, min(b, s)) for a, b in zip((0, *cache.ends[:-1]), cache.ends, strict=True) if a < s]
-        index_B = [jnp.where((positions_B >= a) & (positions_B < b), positions_B - a, b) for a, b in spans]
+        outside = cache.length  # past the end of every segment
+        index_B = [jnp.where((positions_B >= a) & (positions_B < b), positions_B - a, outside) for a, b in spans]
         graphdef, _ = nnx.split(self.layers)
         layer_states = self.layer_states() if layer_states is None else layer_states
         x_Bx1xD = self._embed(tokens_B[:, None])
