@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import Decoder
+from areal_jax.models.decoder import Decoder, KVCache
 
 TINY = ModelConfig(
     vocab_size=48,
@@ -56,3 +56,9 @@ def scoring_logprobs(model: Decoder, prompt: list[int], output: list[int], tempe
         temperature,
     )
     return np.asarray(logp[0, len(prompt) - 1 : n - 1])
+
+
+def cached_keys(cache: KVCache) -> np.ndarray:
+    """The keys a cache holds, by position: [Y, B, S, K, H] (the cache stores each layer's as segments
+    [B, K, H, S_j])."""
+    return np.stack([np.concatenate([np.asarray(k) for k in layer], axis=3).transpose(0, 3, 1, 2) for layer in cache.k])

@@ -1,5 +1,7 @@
 """The decoder's three call paths agree: packed forward, chunked log-probs, prefill + decode."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from flax import nnx
 from areal_jax.models.attention import xla_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
+from tests.engine_fixtures import cached_keys
 
 CFG = ModelConfig(
     vocab_size=101,
@@ -81,8 +84,7 @@ def test_prefill_then_decode_reproduces_full_forward(model):
     full = [_alone(model, s) for s in seqs]
     for row, n in enumerate(lengths):
         np.testing.assert_allclose(last_logits[row], full[row][n - 1], atol=2e-5)
-    cache = KVCache.zeros(CFG, batch=2, length=32)
-    cache = KVCache(k=cache.k.at[:, :, :16].set(prefix.k), v=cache.v.at[:, :, :16].set(prefix.v))
+    cache = KVCache.zeros(CFG, batch=2, length=32).put_rows(prefix, jnp.arange(2))
     positions = np.array(lengths)
     for _ in range(total - max(lengths)):
         tokens = jnp.asarray([seqs[row][positions[row]] for row in range(2)])
@@ -105,12 +107,33 @@ def test_decode_step_jitted_with_donated_cache_equals_eager(model):
     expected_logits, expected_cache = step(state, tokens, positions, cache)
     logits, new_cache = step_donating(state, tokens, positions, KVCache.zeros(CFG, batch=3, length=8))
     np.testing.assert_array_equal(logits, expected_logits)
-    np.testing.assert_array_equal(new_cache.k, expected_cache.k)
-    written = np.asarray(new_cache.k)[:, [0, 1, 2], [0, 3, 5]]
+    np.testing.assert_array_equal(cached_keys(new_cache), cached_keys(expected_cache))
+    written = cached_keys(new_cache)[:, [0, 1, 2], [0, 3, 5]]
     assert np.abs(written).sum() > 0
-    untouched = np.asarray(new_cache.k).copy()
+    untouched = cached_keys(new_cache).copy()
     untouched[:, [0, 1, 2], [0, 3, 5]] = 0
     assert np.abs(untouched).sum() == 0
+
+
+@pytest.mark.parametrize("attend_length", [None, 8])
+def test_decode_step_neither_copies_nor_transposes_the_cache(model, attend_length):
+    """Every instruction of the compiled (donated) step that yields a cache array is a parameter, the
+    in-place write, or plumbing: no copy, transpose or slice of the cache, also when it attends to the
+    segments covering a prefix only."""
+    graphdef, state = nnx.split(model)
+
+    def step(state, layers, tokens, positions, cache):
+        return nnx.merge(graphdef, state).decode_step(tokens, positions, cache, attend_length, layers)
+
+    cache = KVCache.zeros(CFG, batch=3, length=16, first_segment=4)  # segments end at 4, 8, 16
+    args = (state, model.layer_states(), jnp.asarray([1, 2, 3]), jnp.asarray([0, 3, 5]), cache)
+    hlo = jax.jit(step, donate_argnums=(4,)).lower(*args).compile().as_text()
+    shapes = {",".join(map(str, a.shape)) for a in jax.tree.leaves(cache)}
+    producers = re.findall(r"= f32\[([\d,]+)\]\{[\d,]+\} ([\w-]+)\(([^)]*)\)", hlo)
+    kinds = {kind for shape, kind, _ in producers if shape in shapes}
+    assert kinds <= {"parameter", "fusion", "bitcast", "get-tuple-element", "scatter"}, kinds
+    fusions = re.findall(r"%(\S+) = f32\[([\d,]+)\]\{[\d,]+\} fusion\(", hlo)
+    assert fusions and all("scatter" in name for name, shape in fusions if shape in shapes), fusions
 
 
 def test_remat_keeps_value_and_gradient():
@@ -148,18 +171,20 @@ def test_bf16_compute_is_close_to_fp32():
     assert float(jnp.abs(b - a).max()) > 0  # bf16 really changed the numerics
 
 
-def test_decode_reading_a_cache_prefix_equals_reading_all(model):
-    cache = KVCache.zeros(CFG, batch=3, length=32)
+@pytest.mark.parametrize("first_segment", [None, 4])  # one segment (prefix sliced); segments ending at 4, 8, 16, 32
+def test_decode_reading_a_cache_prefix_equals_reading_all(model, first_segment):
     rng = np.random.default_rng(4)
-    cache = KVCache(
-        k=jnp.asarray(rng.standard_normal(cache.k.shape), jnp.float32),
-        v=jnp.asarray(rng.standard_normal(cache.v.shape), jnp.float32),
+    shape = (CFG.num_layers, 3, 32, CFG.num_kv_heads, CFG.resolved_head_dim)
+    cache = KVCache.from_entries(
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        first_segment,
     )
     tokens, positions = jnp.asarray([1, 2, 3]), jnp.asarray([0, 5, 7])
     full_logits, full_cache = model.decode_step(tokens, positions, cache)
     short_logits, short_cache = model.decode_step(tokens, positions, cache, attend_length=8)
     np.testing.assert_allclose(short_logits, full_logits, atol=1e-5)  # summation order differs
-    np.testing.assert_allclose(short_cache.k, full_cache.k, atol=1e-5)
+    np.testing.assert_allclose(cached_keys(short_cache), cached_keys(full_cache), atol=1e-5)
 
 
 def _numpy_row_attention(q, k, v, segments, positions):

@@ -161,7 +161,7 @@ def test_engine_never_samples_padded_ids_and_matches_trainer_logprobs():
             if sampling.top_k == 0 and sampling.top_p == 1.0:
                 np.testing.assert_allclose(behaviour[s], ours, atol=1e-5, rtol=1e-5, err_msg=f"slot {s}")
             else:  # truncation renormalises over the kept set: never below the full distribution
-                assert (behaviour[s] >= ours - 1e-5).all(), f"slot {s}"
+                assert (behaviour[s] >= ours - (1e-5 + 1e-5 * np.abs(ours))).all(), f"slot {s}"  # allclose's slack
 
 
 def test_hf_round_trip_leaves_vocab_limit_out_and_load_applies_it(tmp_path):

@@ -169,7 +169,7 @@ def test_sharded_engine_through_jetstream_equals_single_device(setup: Setup):
     adapter = JetStreamEngine(engine, tok, sampling=GREEDY)
     assert len(adapter.init_decode_state().emitted.sharding.device_set) == 8
     destination = adapter.get_prefix_destination_sharding()
-    assert destination.cache.k.spec == PartitionSpec(None, None, None, "tensor", None)  # KV heads as in the cache
+    assert destination.cache.k.spec == PartitionSpec(None, "tensor", None, None)  # KV heads as in the cache
     prompts = random_prompts()[:4]
     requests = [token_request(p, k) for p, k in zip(prompts, MAX_TOKENS, strict=False)]
     outputs = decode_through_jetstream(adapter, params, requests, interleaved=False)

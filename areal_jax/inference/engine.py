@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.inference.sampling import SamplingParams, sample_slots
-from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache, segment_ends
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -65,26 +66,26 @@ class EngineConfig(Config):
         return (*sizes, cap)
 
     def prefill_buckets(self) -> tuple[int, ...]:
-        """Power-of-two prefill lengths from min_prefill_bucket up to max_length (which is always one)."""
-        buckets = []
-        size = 1 << (self.min_prefill_bucket - 1).bit_length()
-        while size < self.max_length:
-            buckets.append(size)
-            size *= 2
-        return (*buckets, self.max_length)
+        """Power-of-two prefill lengths from min_prefill_bucket up to max_length (which is always one); also
+        where the decode cache's segments end, so a bucket's prefill fills whole segments."""
+        return segment_ends(self.max_length, 1 << (self.min_prefill_bucket - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
 class VersionedParams:
-    """Model weights and the policy version that produced them."""
+    """Model weights and the policy version that produced them. `layers` holds each layer's weights again
+    as separate arrays, which the decode step reads in place (slicing the stacked ones copies them on
+    every step); it costs a second copy of the layer weights."""
 
     state: nnx.State
     version: int
+    layers: tuple[nnx.State, ...]
 
 
 @flax.struct.dataclass
 class Prefix:
-    """One prefilled prompt: KV [Y, 1, Tb, K, H], the last prompt token's logits [V] and the length."""
+    """One prefilled prompt: its KV cache (1 row of length Tb), the last prompt token's logits [V] and the
+    length."""
 
     cache: KVCache
     logits: jax.Array
@@ -93,7 +94,8 @@ class Prefix:
 
 @flax.struct.dataclass
 class PrefixBatch:
-    """Several prefilled prompts of one length bucket: KV [Y, B, Tb, K, H], logits [B, V], lengths [B]."""
+    """Several prefilled prompts of one length bucket: KV cache (B rows of length Tb), logits [B, V],
+    lengths [B]."""
 
     cache: KVCache
     logits: jax.Array
@@ -104,7 +106,7 @@ class PrefixBatch:
 class DecodeState:
     """Everything a decode step reads and writes, one row per slot."""
 
-    cache: KVCache  # [Y, S, T, K, H]
+    cache: KVCache  # S rows of length T
     positions: jax.Array  # [S] where the pending token is written next
     tokens: jax.Array  # [S] the pending (sampled, not yet fed) token
     logprobs: jax.Array  # [S] its behaviour log-prob
@@ -120,6 +122,15 @@ class ResultTokens:
 
     tokens: jax.Array  # [S]
     logprobs: jax.Array  # [S]
+
+
+def cache_shardings(model: ModelConfig, batch: int, length: int, mesh: Mesh) -> KVCache:
+    """Where a cache's arrays live on `mesh` (KV heads split like the attention weights): one sharding for
+    all keys and one for all values, a pytree prefix of any cache of `batch` rows however segmented."""
+    k, h = model.num_kv_heads, model.resolved_head_dim
+    key = NamedSharding(mesh, logical_to_spec(KEY_CACHE_AXES, (batch, k, h, length), mesh))
+    value = NamedSharding(mesh, logical_to_spec(VALUE_CACHE_AXES, (batch, k, length, h), mesh))
+    return KVCache(k=key, v=value)
 
 
 def bucket_for(length: int, buckets: tuple[int, ...]) -> int:
@@ -152,10 +163,11 @@ class Engine:
         self._insert_batch = jax.jit(self._insert_batch_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
         self._generate = jax.jit(
             self._generate_impl,
-            static_argnums=(2,),
-            donate_argnums=(1,),
+            static_argnums=(3,),
+            donate_argnums=(2,),
             out_shardings=(self._decode_shardings, None),
         )
+        self._layer_states = jax.jit(lambda state: nnx.merge(self.graphdef, state).layer_states())
         self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
 
     # -- JetStream Engine API ---------------------------------------------------------------------
@@ -174,7 +186,8 @@ class Engine:
 
     def load_params(self, state: nnx.State, version: int) -> VersionedParams:
         """Place weights on the engine's shardings (no host round trip when they are already on device)."""
-        return VersionedParams(state=jax.device_put(state, self.param_shardings), version=version)
+        state = jax.device_put(state, self.param_shardings)
+        return VersionedParams(state=state, version=version, layers=self._layer_states(state))
 
     def init_decode_state(self) -> DecodeState:
         return self._init_decode_state()
@@ -182,7 +195,7 @@ class Engine:
     def _init_decode_state_impl(self) -> DecodeState:
         cfg, s = self.model_config, self.config.max_slots
         return DecodeState(
-            cache=KVCache.zeros(cfg, s, self.config.max_length),
+            cache=KVCache.zeros(cfg, s, self.config.max_length, first_segment=self.buckets[0]),
             positions=jnp.zeros((s,), jnp.int32),
             tokens=jnp.zeros((s,), jnp.int32),
             logprobs=jnp.zeros((s,), jnp.float32),
@@ -263,11 +276,11 @@ class Engine:
         self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step over all slots. `max_position` (host-side: the largest position any active slot
-        writes this step) lets the step read only a bucketed prefix of the cache."""
+        writes this step) lets the step read only the cache segments up to the bucket covering it."""
         attend_length = None if max_position is None else bucket_for(max_position + 1, self.buckets)
         if attend_length == self.config.max_length:
             attend_length = None
-        return self._generate(params.state, decode_state, attend_length)
+        return self._generate(params.state, params.layers, decode_state, attend_length)
 
     def warmup(self, params: VersionedParams, single_prompt_api: bool = False) -> None:
         """Compile every program the generator can need (batched prefill and insert at each row and length
@@ -292,17 +305,15 @@ class Engine:
         return SingleDeviceSharding(self.device)
 
     def _make_decode_shardings(self) -> DecodeState:
+        slots = self.config.max_slots
         if self.mesh is None:
             cache = per_slot = keys = self._single()
         else:
-            model, slots = self.model_config, self.config.max_slots
-            cache_shape = (model.num_layers, slots, self.config.max_length, model.num_kv_heads, model.resolved_head_dim)
-            cache_axes = ("layers", "slots", "length", "kv_heads", "head_dim")
-            cache = NamedSharding(self.mesh, logical_to_spec(cache_axes, cache_shape, self.mesh))
             per_slot = NamedSharding(self.mesh, logical_to_spec(("slots",), (slots,), self.mesh))
             keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (slots, 2), self.mesh))
+            cache = cache_shardings(self.model_config, slots, self.config.max_length, self.mesh)
         return DecodeState(
-            cache=KVCache(k=cache, v=cache),
+            cache=cache,
             positions=per_slot,
             tokens=per_slot,
             logprobs=per_slot,
@@ -313,7 +324,7 @@ class Engine:
         )
 
     def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
-        logits_BxV, cache = nnx.merge(self.graphdef, state).prefill(tokens_BxT, lengths_B)
+        logits_BxV, cache = nnx.merge(self.graphdef, state).prefill(tokens_BxT, lengths_B, self.buckets[0])
         return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B)
 
     def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:
@@ -347,7 +358,6 @@ class Engine:
     ) -> DecodeState:
         """Scatter prefix row b into slot slots_B[b] (out-of-range slots are dropped) and sample each
         slot's first token from its prefix logits."""
-        tb = batch.cache.k.shape[2]
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(key_data_Bx2)
         tokens_B, logprobs_B = sample_slots(batch.logits, split[:, 1], temperature_B, top_k_B, top_p_B)
 
@@ -355,10 +365,7 @@ class Engine:
             return target.at[slots_B].set(values, mode="drop")
 
         return DecodeState(
-            cache=KVCache(
-                k=ds.cache.k.at[:, slots_B, :tb].set(batch.cache.k.astype(ds.cache.k.dtype), mode="drop"),
-                v=ds.cache.v.at[:, slots_B, :tb].set(batch.cache.v.astype(ds.cache.v.dtype), mode="drop"),
-            ),
+            cache=ds.cache.put_rows(batch.cache, slots_B),
             positions=put(ds.positions, batch.lengths),
             tokens=put(ds.tokens, tokens_B),
             logprobs=put(ds.logprobs, logprobs_B),
@@ -369,14 +376,14 @@ class Engine:
         )
 
     def _generate_impl(
-        self, state: nnx.State, ds: DecodeState, attend_length: int | None
+        self, state: nnx.State, layers: tuple[nnx.State, ...], ds: DecodeState, attend_length: int | None
     ) -> tuple[DecodeState, ResultTokens]:
         model = nnx.merge(self.graphdef, state)
         # Idle or finished slots write harmlessly at a clamped position of their own row; their output
         # is ignored. Active slots are always below attend_length.
         limit = self.config.max_length if attend_length is None else attend_length
         positions = jnp.minimum(ds.positions, limit - 1)
-        logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length)
+        logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length, layers)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)

@@ -39,9 +39,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from areal_jax.inference.engine import DecodeState, Engine, Prefix, VersionedParams
+from areal_jax.inference.engine import DecodeState, Engine, Prefix, VersionedParams, cache_shardings
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.models.decoder import KVCache
 from areal_jax.models.tokenizer import CHAR_SPEC, DEFAULT_ALPHABET, CharTokenizer, HFTokenizer, Tokenizer
 from areal_jax.sharding import logical_to_spec
 
@@ -193,14 +192,8 @@ class JetStreamEngine(engine_api.Engine):
         if mesh is None:
             return SingleDeviceSharding(self.engine.device)
         model = self.engine.model_config
-        cache_spec = logical_to_spec(
-            ("layers", "slots", "length", "kv_heads", "head_dim"),
-            (model.num_layers, 1, self.engine.config.max_length, model.num_kv_heads, model.resolved_head_dim),
-            mesh,
-        )
-        cache = NamedSharding(mesh, cache_spec)
         return Prefix(
-            cache=KVCache(k=cache, v=cache),
+            cache=cache_shardings(model, 1, self.engine.config.max_length, mesh),
             logits=NamedSharding(mesh, logical_to_spec(("vocab",), (model.vocab_size,), mesh)),
             length=NamedSharding(mesh, PartitionSpec()),
         )

@@ -61,18 +61,30 @@ def sample_slots(
     top_k_S: jax.Array,
     top_p_S: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """(tokens [S] int32, behaviour log-probs [S] fp32), one draw per row with that row's key and params."""
+    """(tokens [S] int32, behaviour log-probs [S] fp32), one draw per row with that row's key and params.
+
+    A row draws by inverting its cumulative distribution with one uniform number (the running sum of
+    the exponentials its log-softmax needs anyway), not with one Gumbel variate per vocabulary entry:
+    the random bits and logarithms per entry cost more than the whole softmax on a CPU.
+    """
     logits_SxV = logits_SxV.astype(jnp.float32)
     greedy_S = temperature_S <= 0
     scaled_SxV = logits_SxV / jnp.where(greedy_S, 1.0, temperature_S)[:, None]
     truncating = jnp.any((top_k_S > 0) | (top_p_S < 1.0))
     restricted_SxV = jax.lax.cond(truncating, lambda z: truncate_logits(z, top_k_S, top_p_S), lambda z: z, scaled_SxV)
-    drawn_S = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_S, restricted_SxV)
+    source_SxV = jnp.where(greedy_S[:, None], logits_SxV, restricted_SxV)
+    top_S = jnp.max(source_SxV, axis=-1)
+    weights_SxV = jnp.exp(source_SxV - top_S[:, None])
+    cdf_SxV = jnp.cumsum(weights_SxV, axis=-1)
+    threshold_S = jax.vmap(jax.random.uniform)(keys_S) * cdf_SxV[:, -1]
+    ids_SxV = jax.lax.broadcasted_iota(jnp.int32, source_SxV.shape, 1)
+    # u * total can round up to total: never step past the last id with any mass.
+    last_S = jnp.max(jnp.where(weights_SxV > 0, ids_SxV, 0), axis=-1)
+    drawn_S = jnp.minimum(jnp.sum(cdf_SxV <= threshold_S[:, None], axis=-1, dtype=jnp.int32), last_S)
     tokens_S = jnp.where(greedy_S, jnp.argmax(logits_SxV, axis=-1), drawn_S).astype(jnp.int32)
-    logp_SxV = jnp.where(
-        greedy_S[:, None], jax.nn.log_softmax(logits_SxV, axis=-1), jax.nn.log_softmax(restricted_SxV, axis=-1)
-    )
-    return tokens_S, jnp.take_along_axis(logp_SxV, tokens_S[:, None], axis=-1)[:, 0]
+    chosen_S = jnp.take_along_axis(source_SxV, tokens_S[:, None], axis=-1)[:, 0]
+    # The normaliser is a reduction, as in log_softmax: the running sum's last entry is less accurate.
+    return tokens_S, chosen_S - top_S - jnp.log(jnp.sum(weights_SxV, axis=-1))
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: float | jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -5,14 +5,14 @@ G = N / K query heads per KV head, H head dim.
 
 `get_attention(name)` returns the row attention (self-attention over packed or right-padded rows): a
 query attends to a key when both belong to the same non-zero segment and the key's position is not after
-the query's. `get_attention(name, decode=True)` returns the decode attention: one new
-token per cache slot attends to the slot's cache entries that `cache_valid_BxS` marks (those before its
-position) and to its own key/value, which is kept out of the cache. `xla` is the only implementation.
+the query's. `get_attention(name, decode=True)` returns the decode attention: one new token per cache
+slot attends to the slot's cache entries that `valid_BxS` marks (up to and including its own, already
+written). `xla` is the only implementation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -80,42 +80,31 @@ def xla_attention(
 
 def xla_decode_attention(
     q_Bx1xNxH: jax.Array,
-    k_cache_BxSxKxH: jax.Array,
-    v_cache_BxSxKxH: jax.Array,
-    k_new_Bx1xKxH: jax.Array,
-    v_new_Bx1xKxH: jax.Array,
+    k_segments: Sequence[jax.Array],
+    v_segments: Sequence[jax.Array],
     *,
-    cache_valid_BxS: jax.Array,
+    valid_BxS: jax.Array,
 ) -> jax.Array:
-    """One query token per row attending to the valid cache entries and to its own new key/value.
+    """One query token per row attending to the cache entries `valid_BxS` marks (its own included).
 
-    The new key/value is kept out of the cache (no copy of the cache is made); the two score sets share
-    one softmax. The caller writes the new keys/values into the cache afterwards.
+    The cache comes in segments along its length (keys [B, K, H, S_j], values [B, K, S_j, H], together
+    S long): one softmax over all their scores. The layouts make every dot a plain batched matmul over
+    (B, K) that reads its segment where it lies, with no transpose or copy.
     """
     b, _, n, h = q_Bx1xNxH.shape
-    k_heads = k_cache_BxSxKxH.shape[2]
+    k_heads = k_segments[0].shape[1]
     q_BxKxGxH = q_Bx1xNxH.reshape(b, k_heads, n // k_heads, h)
-    scale = h**-0.5
-    cache_scores_BxKxGxS = (
-        jnp.einsum("bkgh,bskh->bkgs", q_BxKxGxH, k_cache_BxSxKxH, preferred_element_type=jnp.float32) * scale
-    )
-    cache_scores_BxKxGxS = jnp.where(
-        cache_valid_BxS[:, None, None, :], cache_scores_BxKxGxS, jnp.finfo(jnp.float32).min
-    )
-    self_scores_BxKxG = (
-        jnp.einsum("bkgh,bkh->bkg", q_BxKxGxH, k_new_Bx1xKxH[:, 0], preferred_element_type=jnp.float32) * scale
-    )
-    top_BxKxG = jnp.maximum(cache_scores_BxKxGxS.max(axis=-1), self_scores_BxKxG)
-    cache_weights_BxKxGxS = jnp.exp(cache_scores_BxKxGxS - top_BxKxG[..., None])
-    self_weights_BxKxG = jnp.exp(self_scores_BxKxG - top_BxKxG)
-    total_BxKxG = cache_weights_BxKxGxS.sum(axis=-1) + self_weights_BxKxG
-    out_BxKxGxH = jnp.einsum(
-        "bkgs,bskh->bkgh",
-        cache_weights_BxKxGxS.astype(v_cache_BxSxKxH.dtype),
-        v_cache_BxSxKxH,
-        preferred_element_type=jnp.float32,
-    ) + self_weights_BxKxG[..., None] * v_new_Bx1xKxH[:, 0, :, None, :].astype(jnp.float32)
-    out_BxKxGxH = out_BxKxGxH / total_BxKxG[..., None]
+    scores_BxKxGxS = jnp.concatenate(
+        [jnp.einsum("bkgh,bkhs->bkgs", q_BxKxGxH, k, preferred_element_type=jnp.float32) for k in k_segments],
+        axis=-1,
+    ) * (h**-0.5)
+    scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, jnp.finfo(jnp.float32).min)
+    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1)
+    out_BxKxGxH, start = 0.0, 0
+    for v in v_segments:
+        probs = probs_BxKxGxS[..., start : start + v.shape[2]].astype(v.dtype)
+        out_BxKxGxH = out_BxKxGxH + jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)
+        start += v.shape[2]
     return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
 
 

@@ -5,8 +5,9 @@
 (b) `prefill`: right-padded prompts -> logits of each last prompt token and a fresh KV cache;
 (c) `decode_step`: one token per slot against a slot-indexed KV cache, written in place.
 
-Layers are stacked along a leading "layers" axis and run with `lax.scan`, so compile time does not
-grow with depth. Every path masks the logits of embedding rows past the tokenizer (`vocab_limit`) with
+Layers are stacked along a leading "layers" axis. (a) and (b) run them with `lax.scan`, so their compile
+time does not grow with depth; (c) unrolls them to read each layer's cache in place (see `KVCache`).
+Every path masks the logits of embedding rows past the tokenizer (`vocab_limit`) with
 `mask_padded_vocab`, so nothing samples them and every softmax is over the same usable ids.
 
 Legend: B batch rows (or cache slots), T length, S cache length, D model width, V vocab,
@@ -15,7 +16,7 @@ Y layers, K key/value heads, H head dim, C chunk length.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -47,17 +48,96 @@ def mask_padded_vocab(logits_xV: jax.Array, usable_vocab: int) -> jax.Array:
     return jnp.where(ids_xV < usable_vocab, logits_xV, MASKED_LOGIT)
 
 
+# Logical axes of one cache segment. Keys are stored transposed ([B, K, H, S]) and values as [B, K, S, H],
+# so both decode attention dots read the cache in place, with no transpose.
+KEY_CACHE_AXES = ("slots", "kv_heads", "head_dim", "length")
+VALUE_CACHE_AXES = ("slots", "kv_heads", "length", "head_dim")
+
+
+def segment_ends(length: int, first: int | None = None) -> tuple[int, ...]:
+    """Where the cache segments of a cache of `length` end: `first`, then doubling, then `length` (one
+    segment when `first` is None or not below `length`)."""
+    ends, end = [], first or length
+    while end < length:
+        ends.append(end)
+        end *= 2
+    return (*ends, length)
+
+
+def _starts(ends: tuple[int, ...]) -> tuple[int, ...]:
+    return (0, *ends[:-1])
+
+
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer: k, v [Y, B, S, K, H] (B = batch rows or cache slots)."""
+    """Keys and values of every layer, each layer's cut along the length into segments (B = batch rows or
+    cache slots): k[y][j] [B, K, H, S_j] and v[y][j] [B, K, S_j, H] hold positions [start_j, end_j) (see
+    `segment_ends`).
 
-    k: jax.Array
-    v: jax.Array
+    Every array is read and written where it lies: XLA copies a slice of an array before a matmul reads
+    it, so one stacked [Y, ...] array would be copied layer by layer, and reading a prefix of one long
+    array would copy the prefix. The decode step reads the segments that cover the positions it attends
+    to, whole."""
+
+    k: tuple[tuple[jax.Array, ...], ...]
+    v: tuple[tuple[jax.Array, ...], ...]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> KVCache:
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
-        return cls(k=jnp.zeros(shape, cfg.compute_jnp_dtype), v=jnp.zeros(shape, cfg.compute_jnp_dtype))
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, first_segment: int | None = None) -> KVCache:
+        k, h, dtype = cfg.num_kv_heads, cfg.resolved_head_dim, cfg.compute_jnp_dtype
+        ends = segment_ends(length, first_segment)
+        sizes = [end - start for start, end in zip(_starts(ends), ends, strict=True)]
+        return cls(
+            k=tuple(tuple(jnp.zeros((batch, k, h, n), dtype) for n in sizes) for _ in range(cfg.num_layers)),
+            v=tuple(tuple(jnp.zeros((batch, k, n, h), dtype) for n in sizes) for _ in range(cfg.num_layers)),
+        )
+
+    @classmethod
+    def from_entries(cls, k_YxBxSxKxH: jax.Array, v_YxBxSxKxH: jax.Array, first_segment: int | None = None) -> KVCache:
+        """The cache holding these per-position entries (the layout a layer scan produces)."""
+        ends = segment_ends(k_YxBxSxKxH.shape[2], first_segment)
+        spans = list(zip(_starts(ends), ends, strict=True))
+        layers = range(k_YxBxSxKxH.shape[0])
+        return cls(
+            k=tuple(tuple(k_YxBxSxKxH[y, :, a:b].transpose(0, 2, 3, 1) for a, b in spans) for y in layers),
+            v=tuple(tuple(v_YxBxSxKxH[y, :, a:b].transpose(0, 2, 1, 3) for a, b in spans) for y in layers),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.k[0][0].shape[0]
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        """Where each segment ends."""
+        ends, end = [], 0
+        for segment in self.k[0]:
+            end += segment.shape[-1]
+            ends.append(end)
+        return tuple(ends)
+
+    @property
+    def length(self) -> int:
+        return self.ends[-1]
+
+    def put_rows(self, prefix: KVCache, rows_B: jax.Array) -> KVCache:
+        """This cache with `prefix` row b written at row rows_B[b], positions [0, prefix.length); rows out
+        of range are dropped."""
+        t = prefix.length
+        spans = [(a, min(b, t)) for a, b in zip(_starts(self.ends), self.ends, strict=True) if a < t]
+
+        def put(segments: tuple[jax.Array, ...], entries_BxKxT: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+            written = []
+            for segment, (a, b) in zip(segments, spans, strict=False):
+                part = jax.lax.slice_in_dim(entries_BxKxT, a, b, axis=axis).astype(segment.dtype)
+                index = (rows_B, *[slice(None)] * (axis - 1), slice(0, b - a))
+                written.append(segment.at[index].set(part, mode="drop"))
+            return (*written, *segments[len(spans) :])
+
+        return KVCache(
+            k=tuple(put(c, jnp.concatenate(p, axis=3), 3) for c, p in zip(self.k, prefix.k, strict=True)),
+            v=tuple(put(c, jnp.concatenate(p, axis=2), 2) for c, p in zip(self.v, prefix.v, strict=True)),
+        )
 
 
 class Decoder(nnx.Module):
@@ -156,9 +236,12 @@ class Decoder(nnx.Module):
 
     # -- (b) prefill --------------------------------------------------------------------------
 
-    def prefill(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Run right-padded prompts; return fp32 logits [B, V] at each last real token and the KV cache
-        [Y, B, T, K, H] (entries past a prompt's length are garbage and must stay masked)."""
+    def prefill(
+        self, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Run right-padded prompts; return fp32 logits [B, V] at each last real token and their KV cache
+        of length T, cut into segments from `first_segment` (entries past a prompt's length are garbage
+        and must stay masked)."""
         b, t = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
@@ -167,42 +250,70 @@ class Decoder(nnx.Module):
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=k_YxBxTxKxH, v=v_YxBxTxKxH)
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache.from_entries(
+            k_YxBxTxKxH, v_YxBxTxKxH, first_segment
+        )
 
     # -- (c) decode ---------------------------------------------------------------------------
 
+    def layer_states(self) -> tuple[nnx.State, ...]:
+        """Each layer's weights as its own arrays (a copy of the stacked ones), for `decode_step`."""
+        _, stacked = nnx.split(self.layers)
+        return tuple(jax.tree.map(lambda stack, y=y: stack[y], stacked) for y in range(self.config.num_layers))
+
     def decode_step(
-        self, tokens_B: jax.Array, positions_B: jax.Array, cache: KVCache, attend_length: int | None = None
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        cache: KVCache,
+        attend_length: int | None = None,
+        layer_states: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Feed one token per slot at `positions_B`: attend to cache entries before that position plus
-        the token itself, then write its keys/values into the cache at that position (one scatter over
-        all layers after the scan, so with a donated cache nothing is copied). With `attend_length`
-        (static, > every position) only that prefix of the cache is read. Returns fp32 logits [B, V]
-        and the cache."""
+        """Feed one token per slot at `positions_B`: write its keys/values into the cache at that position
+        (in place when the cache is donated), then attend to the cache up to and including it. With
+        `attend_length` (static, > every position) only the segments covering that prefix are read (and a
+        segment that ends past it is sliced: a copy). Returns fp32 logits [B, V] and the cache.
+
+        The layers are unrolled (not scanned) so each layer's attention reads its own cache arrays in
+        place: inside a scan, the layer's slice of a stacked cache is a copy. Likewise the weights:
+        `layer_states` (from `layer_states()`) are read in place, while without them each layer's
+        weights are sliced (copied) out of the stacked ones on every call."""
         attend = get_attention(self.config.attention_impl, decode=True)
-        b = cache.k.shape[1]
-        s = cache.k.shape[2] if attend_length is None else attend_length
-        cache_valid_BxS = jnp.arange(s)[None, :] < positions_B[:, None]
+        s = cache.length if attend_length is None else attend_length
+        valid_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
         sin, cos = self._rope(positions_B[:, None])
-
-        def body(x_Bx1xD: jax.Array, layer: DecoderLayer, index: jax.Array):
+        rows_B = jnp.arange(cache.batch)
+        # The segments holding positions [0, s): each read whole (in place), the last one cut at s if s
+        # is not a segment end; each slot's new entry goes to the segment holding its position (an
+        # out-of-range index elsewhere, so that segment's write drops it).
+        spans = [(a, min(b, s)) for a, b in zip((0, *cache.ends[:-1]), cache.ends, strict=True) if a < s]
+        outside = cache.length  # past the end of every segment
+        index_B = [jnp.where((positions_B >= a) & (positions_B < b), positions_B - a, outside) for a, b in spans]
+        graphdef, _ = nnx.split(self.layers)
+        layer_states = self.layer_states() if layer_states is None else layer_states
+        x_Bx1xD = self._embed(tokens_B[:, None])
+        keys, values = [], []
+        for layer_state, k_segments, v_segments in zip(layer_states, cache.k, cache.v, strict=True):
+            layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
-            k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
-            k_cache = jax.lax.dynamic_index_in_dim(cache.k, index, axis=0, keepdims=False)[:, :s]
-            v_cache = jax.lax.dynamic_index_in_dim(cache.v, index, axis=0, keepdims=False)[:, :s]
-            out = attend(q, k_cache, v_cache, k, v, cache_valid_BxS=cache_valid_BxS)
-            return layer.finish(x_Bx1xD, out), (k[:, 0], v[:, 0])
-
-        x_Bx1xD, (k_new_YxBxKxH, v_new_YxBxKxH) = self._scan_layers(body, self._embed(tokens_B[:, None]))
-        rows_B = jnp.arange(b)
-        cache = KVCache(
-            k=cache.k.at[:, rows_B, positions_B].set(k_new_YxBxKxH),
-            v=cache.v.at[:, rows_B, positions_B].set(v_new_YxBxKxH),
-        )
+            k_BxKxH, v_BxKxH = k[:, 0].astype(k_segments[0].dtype), v[:, 0].astype(v_segments[0].dtype)
+            # Written before it is read: the attention then reads the updated array itself, where reading
+            # first would make XLA keep (copy) the old one for the read.
+            k_segments, v_segments = list(k_segments), list(v_segments)
+            read_k, read_v = [], []
+            for j, ((a, b), index) in enumerate(zip(spans, index_B, strict=True)):
+                k_segments[j] = k_segments[j].at[rows_B, :, :, index].set(k_BxKxH, mode="drop")
+                v_segments[j] = v_segments[j].at[rows_B, :, index].set(v_BxKxH, mode="drop")
+                read_k.append(k_segments[j][..., : b - a])
+                read_v.append(v_segments[j][:, :, : b - a])
+            keys.append(tuple(k_segments))
+            values.append(tuple(v_segments))
+            out = attend(q, read_k, read_v, valid_BxS=valid_BxS)
+            x_Bx1xD = layer.finish(x_Bx1xD, out)
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), cache
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=tuple(keys), v=tuple(values))
 
 
 def chunked_logprobs(

@@ -1,7 +1,7 @@
 """The decoder's building blocks as Flax NNX modules, every parameter named by logical axes.
 
 Legend: B batch rows, T length, D model width, N query heads, K key/value heads, G = N / K query heads
-per KV head, J = G + 2 (a group's queries, key, value), H head dim, F MLP width.
+per KV head, J = G + 2 (a group's queries, key, value), H head dim, F MLP width, Q = N * H.
 """
 
 from __future__ import annotations
@@ -117,5 +117,9 @@ class DecoderLayer(nnx.Module):
 
     def finish(self, x_BxTxD: jax.Array, attention_BxTxNxH: jax.Array) -> jax.Array:
         """Output projection, residual, then the MLP half of the block."""
-        h_BxTxD = x_BxTxD + jnp.einsum("btnh,nhd->btd", attention_BxTxNxH, self.o[...].astype(self.compute_dtype))
+        b, t, n, h = attention_BxTxNxH.shape
+        # One [T, N*H] x [N*H, D] matmul over row-major reshapes (bitcasts); a two-axis contraction made
+        # XLA transpose the kernel on every call.
+        o_QxD = self.o[...].astype(self.compute_dtype).reshape(n * h, -1)
+        h_BxTxD = x_BxTxD + attention_BxTxNxH.reshape(b, t, n * h) @ o_QxD
         return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD))
