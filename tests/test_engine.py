@@ -45,6 +45,20 @@ def test_greedy_with_cache_equals_full_forward_argmax():
         assert list(result.output_ids) == greedy_reference(model, prompt, 8)
 
 
+@pytest.mark.parametrize("copies", ["on", "off"])
+def test_decode_reads_per_layer_weight_copies_or_the_stacked_weights_alike(copies):
+    model = tiny_model()
+    engine = Engine(model, EngineConfig(max_slots=3, max_length=64, decode_layer_copies=copies))
+    params = engine.load_params(nnx.state(model), 0)
+    assert (params.layers is not None) == (copies == "on")
+    prompts = [[1, 2, 3], list(range(4, 21)), [22]]
+    with Generator(engine, params) as gen:
+        results = [gen.submit(p, GREEDY).result(timeout=120)[0] for p in prompts]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert list(result.output_ids) == greedy_reference(model, prompt, 8)
+    assert EngineConfig().keeps_layer_copies("cpu") and not EngineConfig().keeps_layer_copies("tpu")
+
+
 def test_n_samples_share_one_prefill_and_differ():
     model = tiny_model()
     engine = Engine(model, EngineConfig(max_slots=4, max_length=64))
