@@ -10,7 +10,7 @@ bash scripts/ensure_venv.sh requirements-dev.txt
 set +e
 # two workers, one test file each at a time (a file's module fixtures are built once): the suite waits on
 # subprocesses, threads and compiles, so 2 workers on 2 cores finish it in ~8 instead of ~9.5 minutes
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

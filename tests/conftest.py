@@ -49,8 +49,9 @@ class CompileCounter:
 
 
 # The files that run the system in subprocesses for a minute or more, heaviest first. They are collected
-# first, so the two xdist workers (`--dist loadfile` hands out files in collection order) start on them
-# and finish on short files instead of one worker running a long file alone at the end.
+# first, so the two xdist workers (`--dist loadfile --no-loadscope-reorder` hands out files in collection
+# order; without the flag xdist reorders files by their number of tests) start on them and finish on short
+# files instead of one worker running a long file alone at the end.
 _LONG_FIRST = (  # by each file's total time in a full run (session 6, --durations): 170 s ... 45 s
     "test_async_rl.py",
     "test_recipes.py",
