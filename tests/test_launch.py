@@ -80,7 +80,9 @@ def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
 
     metrics = load_metrics(run_dir / "metrics.jsonl")
     assert [m["train/version"] for m in metrics] == list(range(1, STEPS + 1))
-    assert max(m["rollout/staleness_max"] for m in metrics) <= ETA
+    # eta bounds the version a group starts at; batches take whole groups in completion order, so one may be
+    # trained a version later than that (docs/architecture.md), e.g. a group re-issued after the kill
+    assert max(m["rollout/staleness_max"] for m in metrics) <= ETA + 1
     assert metrics[-1]["weights/direct_loads"] > 0
     assert all(m["rollout/servers_reporting"] == 2 for m in metrics[2:])
     cores = len(os.sched_getaffinity(0))
