@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmarks on an accelerator machine in one go: installs the pinned JAX CUDA build and the package
-# into .venv, runs every benchmark's --quick (benchmarks/*.py; generation.py one part at a time) and the
+# into .venv, runs every benchmark's --quick (benchmarks/*.py) and the
 # full model_forward.py, each under a timeout, and prints the markdown table for docs/benchmarks.md
 # (scripts/benchmark_table.py). Everything stays within BUDGET seconds, the install included: a benchmark
 # that would start too late is listed as skipped. Outputs: OUT/<label>.log, OUT/runs.tsv, OUT/table.md.
@@ -77,11 +77,6 @@ for script in benchmarks/*.py; do
   name=$(basename "$script" .py)
   case "$name" in
     common | model_forward) ;;
-    generation)
-      for part in continuous hf interrupt; do
-        invocations+=("generation-$part|$QUICK_TIMEOUT|$script --quick --part $part")
-      done
-      ;;
     *) invocations+=("$name|$QUICK_TIMEOUT|$script --quick") ;;
   esac
 done

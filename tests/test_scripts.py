@@ -224,7 +224,6 @@ def test_device_check_installs_then_runs_every_benchmark_then_builds_the_table()
     for script in sorted(ROOT.glob("benchmarks/*.py")):
         if script.stem != "common":
             assert any(f"benchmarks/{script.name} --quick" in run for run in runs), script.name
-    assert sum("benchmarks/generation.py --quick --part" in run for run in runs) == 3
     today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     assert lines[-1] == (
         f".venv/bin/python scripts/benchmark_table.py /o --device '(dry run)' --date {today} | tee /o/table.md"
@@ -262,11 +261,11 @@ def test_benchmark_output_is_parsed_into_values_and_the_last_ratio():
 
 def test_benchmark_table_has_one_row_per_run_with_its_status(tmp_path):
     (tmp_path / "model_forward.log").write_text(SAMPLE_OUTPUT)
-    (tmp_path / "generation-hf.log").write_text("Traceback ...\nModuleNotFoundError: No module named 'torch'\n")
+    (tmp_path / "engine_throughput.log").write_text("Traceback ...\nModuleNotFoundError: No module named 'torch'\n")
     (tmp_path / "main_job.log").write_text("steps: 3 steps\n")
     (tmp_path / "runs.tsv").write_text(
         "model_forward\t0\t41\tbenchmarks/model_forward.py --quick\n"
-        "generation-hf\t1\t3\tbenchmarks/generation.py --quick --part hf\n"
+        "engine_throughput\t1\t3\tbenchmarks/engine_throughput.py --quick\n"
         "main_job\ttimeout\t60\tbenchmarks/main_job.py --quick\n"
         "weights\tskipped\t0\tbenchmarks/weights.py --quick\n"
     )
