@@ -4,8 +4,9 @@ Every trainer process runs the same loop on one global mesh, and each step's com
 every process must call them in the same order, on the same batch. So process 0 alone reads the rollout
 log and decides each batch, when to stop, what a checkpoint's metadata says, and writes the run's files;
 the others receive its decisions through small collectives (`jax.experimental.multihost_utils`: an
-all-gather of flags, a broadcast of bytes). With one process every method returns the local value and no
-collective runs, so the one-process paths are unchanged.
+all-gather of flags, a broadcast of bytes; an all-gather of bytes for what each process holds, e.g. its
+direct weight offers). With one process every method returns the local value and no collective runs, so
+the one-process paths are unchanged.
 
 `SharedBatches` is the batch source of several processes: process 0 takes each batch from its pipeline in
 a helper thread while every process meets it once per `ROUND_S` in an all-gather of stop flags, so a
