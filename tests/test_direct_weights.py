@@ -20,12 +20,14 @@ from areal_jax.configuration import ConfigError
 from areal_jax.system.cluster import ClusterConfig, weight_load_status, weight_path_stats, write_json_atomic
 from areal_jax.weights import OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
 from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber, read_announcement
-from areal_jax.weights.pieces import LeafSpec, distinct_shards, plan_leaf
+from areal_jax.weights.pieces import offered_pieces, plan_leaf
+from tests import direct_trainer_worker
 from tests.direct_weights_worker import as_bytes, source_params
 from tests.test_weights import worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "direct_weights_worker.py")
+TRAINER_WORKER = str(ROOT / "tests" / "direct_trainer_worker.py")
 
 
 def _start_worker(run: Path, puller: int, devices: int, out: Path, plan: list[str]) -> subprocess.Popen:
@@ -35,6 +37,8 @@ def _start_worker(run: Path, puller: int, devices: int, out: Path, plan: list[st
 
 def _expect_line(worker: subprocess.Popen, line: str) -> None:
     got = worker.stdout.readline().strip()
+    while got.startswith("[Gloo]"):  # gloo's own report of its connections (trainer processes)
+        got = worker.stdout.readline().strip()
     assert got == line, f"worker said {got!r}, expected {line!r} (exit status {worker.poll()})"
 
 
@@ -76,6 +80,73 @@ def test_direct_and_orbax_deliver_bit_identical_weights_to_two_servers_on_other_
                 np.testing.assert_array_equal(loaded[f"orbax/{version}/{key}"], expected, err_msg=f"{out} {key}")
 
 
+@pytest.mark.multiprocess
+def test_a_trainer_over_two_processes_serves_each_piece_once_from_both(tmp_path: Path) -> None:
+    """Two trainer processes (`jax.distributed`, 2 devices each) publish 2 versions of leaves cut across
+    both, within each, and replicated; this process pulls each from both processes onto another layout
+    (version 1 on 2 devices cut another way, version 2 whole on one device): the bytes are the published
+    values and the store's copy, each piece was offered once over both processes, replicas by process 0."""
+    port = _free_port()
+    command = [sys.executable, TRAINER_WORKER, str(tmp_path), f"127.0.0.1:{port}"]
+    trainers = [
+        subprocess.Popen(
+            [*command, str(process), "2"], env=worker_env(2), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for process in range(2)
+    ]
+    announcement = tmp_path / "announcement.json"
+    store = OrbaxWeightSubscriber(tmp_path / "weights")
+    subscriber = DirectWeightSubscriber(announcement, store, puller=0, timeout_s=60, poll_s=0.01)
+    leaves = direct_trainer_worker.LEAVES
+    mesh = Mesh(np.array(jax.devices()[2:4]), ("x",))
+    layouts = {
+        1: {"embed": P(None, "x"), "kernel": P("x", None), "counts": P(None, "x"), "rows": P("x"), "norm": P("x")},
+        2: dict.fromkeys(leaves, P()),
+    }
+    try:
+        for trainer in trainers:
+            _expect_line(trainer, "ready")
+        for version, specs in layouts.items():
+            for trainer in trainers:
+                trainer.stdin.write(f"{version}\n")
+                trainer.stdin.flush()
+            for trainer in trainers:
+                _expect_line(trainer, f"published {version}")
+            announced = read_announcement(announcement)
+            assert announced.version == version and len(announced.sources) == 2
+            offered = [piece for source in announced.sources for piece in source.pieces]
+            every = [(leaf, piece) for leaf, spec in enumerate(announced.leaves) for piece in range(len(spec.pieces))]
+            assert sorted(offered) == every  # the sources partition every leaf's pieces
+            names = [path.strip("[']") for path in announced.paths]
+            for name, counts in direct_trainer_worker.OFFERED.items():
+                by_source = [sum(names[leaf] == name for leaf, _ in source.pieces) for source in announced.sources]
+                assert tuple(by_source) == counts, name
+
+            devices = mesh if version == 1 else Mesh(np.array(jax.devices()[5:6]), ("x",))
+            target = {
+                name: jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=NamedSharding(devices, specs[name]))
+                for name, (shape, dtype, _) in leaves.items()
+            }
+            assert subscriber.wait_for_version(version, timeout_s=30) == version
+            pulled = subscriber.load(version, target)
+            assert (pulled.version, pulled.source, pulled.fell_back) == (version, "direct", False)
+            assert store.wait_for_version(version, timeout_s=30) == version
+            stored = store.load(version, target)
+            for name, value in direct_trainer_worker.known_values(version).items():
+                assert pulled.params[name].sharding == target[name].sharding, name
+                np.testing.assert_array_equal(as_bytes(pulled.params[name]), as_bytes(value), err_msg=name)
+                np.testing.assert_array_equal(as_bytes(stored.params[name]), as_bytes(value), err_msg=name)
+        for trainer in trainers:
+            trainer.stdin.close()
+        for trainer in trainers:
+            assert trainer.wait(timeout=60) == 0
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+        subscriber.close()
+    assert not announcement.exists()  # process 0 removed it when it closed
+
+
 def assert_same_bytes(got: dict[str, jax.Array], want: dict[str, jax.Array]) -> None:
     assert got.keys() == want.keys()
     for key in want:
@@ -88,8 +159,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(tmp_path: Path) -> None:
-    """Taken, incompatible (another transfer server shape, other leaves) and unreachable offers each cost at
+def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Taken, incompatible (another transfer server shape, other leaves, pieces offered twice or by no
+    source) and unreachable offers each cost at
     most the timeout, then the store delivers the same version; a subscriber opened after an announcement
     loads that version from the store (a restarted server); a version on neither path is an error, not a
     hang."""
@@ -132,10 +206,22 @@ def test_a_failed_direct_pull_falls_back_to_the_store_within_the_timeout(tmp_pat
         fallback = second.load(2, target)
         assert (fallback.version, fallback.source, fallback.fell_back) == (2, "orbax", True)
         assert time.monotonic() - started < timeout
+        source = forged["sources"][0]
+        for pieces in (source["pieces"][1:], [*source["pieces"], source["pieces"][0]]):
+            write_json_atomic(announcement, {**forged, "sources": [{**source, "pieces": pieces}]})
+            started = time.monotonic()  # a piece offered by no source, or twice: refused before pulling
+            caplog.clear()
+            fallback = first.load(2, target)  # (its offer of version 2 is still there)
+            assert (fallback.version, fallback.source, fallback.fell_back) == (2, "orbax", True)
+            assert time.monotonic() - started < timeout
+            assert (
+                f"must offer each of the {sum(len(leaf['pieces']) for leaf in forged['leaves'])} pieces" in caplog.text
+            )
 
         publisher.publish(params[3], 3)
         forged = read_announcement(announcement).to_json()
-        write_json_atomic(announcement, {**forged, "address": f"127.0.0.1:{_free_port()}"})
+        gone = [{**forged["sources"][0], "address": f"127.0.0.1:{_free_port()}"}]
+        write_json_atomic(announcement, {**forged, "sources": gone})
         started = time.monotonic()  # the trainer is gone
         fallback = second.load(3, target)
         assert (fallback.version, fallback.source, fallback.fell_back) == (3, "orbax", True)
@@ -216,9 +302,9 @@ def test_pieces_rebuild_each_leaf_on_the_target_sharding(
     )
     size = target_mesh[0] * target_mesh[1]
     target_sharding = NamedSharding(Mesh(devices[::-1][:size].reshape(target_mesh), ("x", "y")), target)
-    shards = distinct_shards(leaf)
-    assert len(shards) == len({str(s.index) for s in leaf.addressable_shards})  # each distinct index once
-    spec = LeafSpec(leaf.shape, str(leaf.dtype), tuple(index for index, _ in shards))
+    spec, shards = offered_pieces(leaf)
+    assert len(spec.pieces) == len({str(s.index) for s in leaf.addressable_shards})  # each distinct index once
+    assert [number for number, _ in shards] == list(range(len(spec.pieces)))  # one process: it offers them all
     plan = plan_leaf(spec, target_sharding)
     assert plan.direct == direct
     pulled = [jax.device_put(piece, device) for (_, piece), device in zip(shards, plan.devices, strict=True)]

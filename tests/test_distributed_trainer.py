@@ -6,7 +6,8 @@ and written its ready marker. The two-process run trains 2 steps, checkpoints an
 (`--resume`, both processes restore the checkpoint together) for step 3 on groups written after its ready
 marker; the one-process run trains 3 steps straight. Both processes train the same batches in the same
 order (each logs a digest of what it trained), the final params (the HF export) equal the one-process
-run's, and process 0 alone wrote the metrics, the trained groups and the train log.
+run's, and process 0 alone wrote the metrics, the trained groups and the train log. The two-process run
+publishes on the direct weight path (`cluster.weight_transfer: direct`): both processes offer their pieces.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def _two_processes(tmp_path: Path, *args: str) -> list[subprocess.Popen]:
             4,
             *args,
             "distributed.enabled=true",
+            "cluster.weight_transfer=direct",  # both processes offer their pieces (nobody pulls them here)
             f"distributed.coordinator_address=127.0.0.1:{port}",
             "distributed.num_processes=2",
             f"distributed.process_id={i}",
@@ -129,6 +131,8 @@ def test_trainer_role_over_two_processes_matches_one_and_resumes(tmp_path: Path)
     _finish([single])
 
     assert "resumed from step 2" in resumed_outputs[0]
+    for output in (*first_outputs, *resumed_outputs):  # every version offered from both processes' pieces
+        assert re.search(r"offering weights version \d+ to 1 pullers from 2 processes", output), output[-4000:]
     digests = _digests([*first_outputs, *resumed_outputs])
     assert [step for step, _ in digests[0]] == [1, 2, 3]
     assert digests[1] == digests[0]  # both processes trained the same records in the same order

@@ -57,8 +57,9 @@ class ClusterConfig(Config):
     )
     direct_host: str | None = option(
         None,
-        doc="direct: the host name or IP each process's transfer server binds; the trainer's must be "
-        "reachable from every rollout server; null = the address of this host's name",
+        doc="direct: the host name or IP each process's transfer server binds; every trainer process's must "
+        "be reachable from every rollout server; null = the address of this host's name (keep null for a "
+        "trainer over several hosts)",
     )
 
 

@@ -4,8 +4,9 @@ Every trainer process runs the same loop on one global mesh, and each step's com
 every process must call them in the same order, on the same batch. So process 0 alone reads the rollout
 log and decides each batch, when to stop, what a checkpoint's metadata says, and writes the run's files;
 the others receive its decisions through small collectives (`jax.experimental.multihost_utils`: an
-all-gather of flags, a broadcast of bytes). With one process every method returns the local value and no
-collective runs, so the one-process paths are unchanged.
+all-gather of flags, a broadcast of bytes; an all-gather of bytes for what each process holds, e.g. its
+direct weight offers). With one process every method returns the local value and no collective runs, so
+the one-process paths are unchanged.
 
 `SharedBatches` is the batch source of several processes: process 0 takes each batch from its pipeline in
 a helper thread while every process meets it once per `ROUND_S` in an all-gather of stop flags, so a
@@ -68,20 +69,26 @@ class TrainerProcesses:
             assert data is not None
             return data
         size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data) if self.primary else 0)))
-        words = max(_MIN_BROADCAST_WORDS, 1 << (-(-size // 4) - 1).bit_length())
-        buffer = np.zeros(words * 4, np.uint8)
-        if self.primary:
-            assert data is not None
-            buffer[:size] = np.frombuffer(data, np.uint8)
-        # uint32 words: a sum of uint8 would be widened to 4 bytes per byte anyway
-        shared = multihost_utils.broadcast_one_to_all(buffer.view(np.uint32))
-        return np.asarray(shared, np.uint32).view(np.uint8)[:size].tobytes()
+        shared = multihost_utils.broadcast_one_to_all(_words(data if self.primary else None, size))
+        return _bytes(np.asarray(shared), size)
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every process's `data`, in process order, on every process."""
+        if self.count == 1:
+            return [data]
+        sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(data)))).reshape(-1)
+        gathered = np.asarray(multihost_utils.process_allgather(_words(data, int(sizes.max()))))
+        return [_bytes(row, int(size)) for row, size in zip(gathered, sizes, strict=True)]
 
     def share(self, value: Any) -> Any:
         """Process 0's JSON-ready `value` on every process."""
         if self.count == 1:
             return value
         return json.loads(self.share_bytes(json.dumps(value).encode() if self.primary else None))
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's JSON-ready `value`, in process order, on every process."""
+        return [json.loads(data) for data in self.gather_bytes(json.dumps(value).encode())]
 
     def on_primary(self, action: Callable[[], T]) -> T | None:
         """`action()` on process 0 alone, the others waiting for it; None on the others. An exception on
@@ -104,6 +111,20 @@ class TrainerProcesses:
     def barrier(self, name: str) -> None:
         if self.count > 1:
             multihost_utils.sync_global_devices(name)
+
+
+def _words(data: bytes | None, size: int) -> np.ndarray:
+    """`data` (None: zeros) as uint32 words, padded to hold `size` bytes in a power of two of words (few
+    shapes: few compilations). Words, as a collective sums or moves uint8 widened to 4 bytes anyway."""
+    words = max(_MIN_BROADCAST_WORDS, 1 << (-(-size // 4) - 1).bit_length())
+    buffer = np.zeros(words * 4, np.uint8)
+    if data is not None:
+        buffer[: len(data)] = np.frombuffer(data, np.uint8)
+    return buffer.view(np.uint32)
+
+
+def _bytes(words: np.ndarray, size: int) -> bytes:
+    return np.asarray(words, np.uint32).view(np.uint8)[:size].tobytes()
 
 
 def encode_batch(batch: Sequence[Trajectory]) -> bytes:

@@ -3,11 +3,16 @@
 
 The trainer's `DirectWeightPublisher` copies every new version (the trainer donates its params right after
 `publish`), cuts it into single-device pieces (`pieces.py`), offers them once to each of the `pullers`
-rollout servers under its own uuid, and announces the version in a small JSON file (address, uuids, the
-pieces of every leaf) written to a temporary name and renamed. Then it saves the same version into the
-Orbax store as before. A rollout server's `DirectWeightSubscriber` reads the announcement, pulls its uuid
-onto its own devices (resharding on arrival where its layout cuts the leaves differently) and falls back to
-the store when the pull fails. How JAX's transfer server behaves, as measured on jax 0.10.2 (CPU):
+rollout servers under its own uuid, and announces the version in a small JSON file written to a temporary
+name and renamed. Then it saves the same version into the Orbax store as before. A trainer over several
+processes (`distributed.enabled`) serves from every process: each has its own transfer server and offers
+the pieces it is the lowest process to hold; their addresses, uuids and piece lists are gathered, and
+process 0 alone writes the announcement once every process has made its offers. So the announcement names
+one source per serving process (address, a uuid per puller, which pieces in which order) and how every
+leaf is cut; one process is one source. A rollout server's `DirectWeightSubscriber` reads the
+announcement, pulls its uuid from every source at once onto its own devices (resharding on arrival where
+its layout cuts the leaves differently) and falls back to the store when any pull fails. How JAX's
+transfer server behaves, as measured on jax 0.10.2 (CPU):
 
 - one `await_pull` serves exactly one pull of its uuid; another pull of that uuid waits for the next
   `await_pull` of it, so each puller has its own uuid per version;
@@ -45,9 +50,10 @@ from jax.experimental import transfer
 
 from areal_jax.sharding import copy_to
 from areal_jax.system.cluster import read_json, write_json_atomic
+from areal_jax.system.trainer_processes import TrainerProcesses
 from areal_jax.weights.base import LoadedWeights, poll_for_version, target_shardings, tree_nbytes
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
-from areal_jax.weights.pieces import LeafPlan, LeafSpec, distinct_shards, plan_leaf
+from areal_jax.weights.pieces import LeafPlan, LeafSpec, offered_pieces, plan_leaf
 
 logger = logging.getLogger(__name__)
 
@@ -63,29 +69,46 @@ def start_transfer_server(host: str | None) -> transfer.TransferServer:
     """This process's transfer server on `host` (None: this host's address), on free ports."""
     host = host or socket.gethostbyname(socket.gethostname())
     bind = f"[{host}]:0" if ":" in host else f"{host}:0"
-    return transfer.start_transfer_server(jax.devices()[0].client, bind, [bind] * TRANSPORT_STREAMS)
+    return transfer.start_transfer_server(jax.local_devices()[0].client, bind, [bind] * TRANSPORT_STREAMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One trainer process's offers of a version: where to pull them, under which uuid per puller, and
+    which pieces they are, in the order they were offered."""
+
+    address: str
+    uuids: tuple[int, ...]  # puller i pulls uuids[i]
+    pieces: tuple[tuple[int, int], ...]  # (leaf, number of the piece in that leaf's `LeafSpec.pieces`)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"address": self.address, "uuids": list(self.uuids), "pieces": [list(p) for p in self.pieces]}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Source:
+        pieces = tuple((int(leaf), int(piece)) for leaf, piece in value["pieces"])
+        return cls(str(value["address"]), tuple(int(u) for u in value["uuids"]), pieces)
 
 
 @dataclasses.dataclass(frozen=True)
 class Announcement:
-    """A version on offer: where to pull it, under which uuid per puller, and how its leaves are cut."""
+    """A version on offer: how its leaves are cut, and the sources that offer their pieces (together, each
+    piece once)."""
 
     version: int
-    address: str
-    uuids: tuple[int, ...]  # puller i pulls uuids[i]
     streams: int
     paths: tuple[str, ...]  # every leaf's path in the published pytree (`jax.tree_util.keystr`)
-    leaves: tuple[LeafSpec, ...]  # how each leaf is cut, in the same order (the order of the offered pieces)
-    time: float  # wall clock when the offers were made
+    leaves: tuple[LeafSpec, ...]  # how each leaf is cut, in the same order
+    sources: tuple[Source, ...]  # the trainer processes that offer pieces, in process order
+    time: float  # wall clock when every offer had been made
 
     def to_json(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "address": self.address,
-            "uuids": list(self.uuids),
             "streams": self.streams,
             "paths": list(self.paths),
             "leaves": [leaf.to_json() for leaf in self.leaves],
+            "sources": [source.to_json() for source in self.sources],
             "time": self.time,
         }
 
@@ -93,11 +116,10 @@ class Announcement:
     def from_json(cls, value: dict[str, Any]) -> Announcement:
         return cls(
             version=int(value["version"]),
-            address=str(value["address"]),
-            uuids=tuple(int(u) for u in value["uuids"]),
             streams=int(value["streams"]),
             paths=tuple(str(path) for path in value["paths"]),
             leaves=tuple(LeafSpec.from_json(leaf) for leaf in value["leaves"]),
+            sources=tuple(Source.from_json(source) for source in value["sources"]),
             time=float(value["time"]),
         )
 
@@ -112,7 +134,10 @@ def _deadline(seconds: float) -> datetime.datetime:
 
 
 class DirectWeightPublisher:
-    """Offers each version to `pullers` readers over the transfer server, then saves it into `durable`."""
+    """Offers each version to `pullers` readers over the transfer server, then saves it into `durable`.
+
+    With several trainer processes every process opens one and makes the same calls (`publish` is
+    collective, as the store's is); process 0 alone writes and removes the announcement."""
 
     def __init__(
         self,
@@ -127,10 +152,12 @@ class DirectWeightPublisher:
             raise ValueError(f"need pullers >= 1 and timeout_s > 0, got {pullers} and {timeout_s}")
         self.announcement, self.durable = announcement, durable
         self.pullers, self.timeout_s = pullers, timeout_s
+        self._processes = TrainerProcesses()
         self._server = start_transfer_server(host)
-        self._next_uuid = 1
+        self._serial = itertools.count()
         self._version: int | None = None
-        announcement.unlink(missing_ok=True)  # an earlier trainer's offers are gone with it
+        if self._processes.primary:
+            announcement.unlink(missing_ok=True)  # an earlier trainer's offers are gone with it
         logger.info("direct weight path: transfer server at %s", self._server.address())
 
     def latest_version(self) -> int | None:
@@ -149,39 +176,49 @@ class DirectWeightPublisher:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         leaves = [leaf for _, leaf in flat]
         copies = copy_to(leaves, [leaf.sharding for leaf in leaves])
-        specs, pieces = [], []
-        for leaf in copies:
-            shards = distinct_shards(leaf)
-            specs.append(LeafSpec(tuple(leaf.shape), str(leaf.dtype), tuple(index for index, _ in shards)))
-            pieces.extend(piece for _, piece in shards)
-        del copies  # the offers hold the pieces; the other replicas of replicated leaves are freed
+        specs, offered, pieces = [], [], []
+        for number, leaf in enumerate(copies):
+            spec, mine = offered_pieces(leaf)
+            specs.append(spec)
+            offered.extend((number, piece) for piece, _ in mine)
+            pieces.extend(array for _, array in mine)
+        del copies  # the offers hold the pieces; the other replicas are freed
         jax.block_until_ready(pieces)  # the copy, in the blocking time it is part of
-        uuids = tuple(range(self._next_uuid, self._next_uuid + self.pullers))
-        self._next_uuid += self.pullers
-        expires = _deadline(self.timeout_s)
-        for uuid in uuids:
-            self._server.await_pull(uuid, pieces, timeout=expires)
+        uuids = self._uuids()
+        if pieces:  # a process holding no piece of its own (every leaf replicated) serves nothing
+            expires = _deadline(self.timeout_s)
+            for uuid in uuids:
+                self._server.await_pull(uuid, pieces, timeout=expires)
+        own = Source(self._server.address(), uuids, tuple(offered))
+        # a collective every process enters after its offers: the announcement names only offers that exist
+        sources = tuple(Source.from_json(s) for s in self._processes.gather(own.to_json()) if s["pieces"])
         paths = tuple(jax.tree_util.keystr(path) for path, _ in flat)
-        announced = Announcement(
-            version, self._server.address(), uuids, TRANSPORT_STREAMS, paths, tuple(specs), time.time()
-        )
-        write_json_atomic(self.announcement, announced.to_json())
+        announced = Announcement(version, TRANSPORT_STREAMS, paths, tuple(specs), sources, time.time())
+        self._processes.on_primary(lambda: write_json_atomic(self.announcement, announced.to_json()))
         self._version = version
         logger.info(
-            "offering weights version %d to %d pullers: %d bytes in %d pieces, %.3f s blocking",
+            "offering weights version %d to %d pullers from %d processes: %d bytes in %d pieces here, %.3f s blocking",
             version,
             self.pullers,
+            len(sources),
             tree_nbytes(pieces),
             len(pieces),
             time.perf_counter() - started,
         )
         return announced
 
+    def _uuids(self) -> tuple[int, ...]:
+        """This process's uuid for each puller of the next version (distinct over versions and processes)."""
+        serial, processes = next(self._serial), self._processes
+        first = serial * self.pullers
+        return tuple(1 + (first + puller) * processes.count + processes.index for puller in range(self.pullers))
+
     def wait(self) -> None:
         self.durable.wait()
 
     def close(self) -> None:
-        self.announcement.unlink(missing_ok=True)  # no reader should dial a server that is going away
+        if self._processes.primary:
+            self.announcement.unlink(missing_ok=True)  # no reader should dial a server that is going away
         self.durable.close()
 
 
@@ -204,7 +241,7 @@ class DirectWeightSubscriber:
         self.puller, self.timeout_s, self.poll_s = puller, timeout_s, poll_s
         self.directory = durable.directory
         self._server = start_transfer_server(host)
-        self._connection: tuple[str, Any] | None = None
+        self._connections: dict[str, Any] = {}  # address -> connection to that trainer process
         before = read_announcement(announcement)
         self._announced_before = before.version if before is not None else None
         self._closed = threading.Event()
@@ -249,46 +286,54 @@ class DirectWeightSubscriber:
     def _pull(self, announced: Announcement, target: Any) -> LoadedWeights:
         if announced.streams != TRANSPORT_STREAMS:
             raise DirectTransferError(
-                f"the trainer's transfer server uses {announced.streams} streams, this one {TRANSPORT_STREAMS}"
+                f"the trainer's transfer servers use {announced.streams} streams, this one {TRANSPORT_STREAMS}"
             )
-        if not 0 <= self.puller < len(announced.uuids):
-            raise DirectTransferError(f"offered to {len(announced.uuids)} pullers; this is puller {self.puller}")
+        for source in announced.sources:
+            if not 0 <= self.puller < len(source.uuids):
+                raise DirectTransferError(
+                    f"{source.address} offers to {len(source.uuids)} pullers; this is puller {self.puller}"
+                )
         flat, treedef = jax.tree_util.tree_flatten_with_path(target)
         order, plans = _plans(announced, {jax.tree_util.keystr(path): leaf for path, leaf in flat})
+        requests = _requests(announced, plans)
         started = time.perf_counter()
         try:
-            pulled = self._connect(announced.address).pull(
-                announced.uuids[self.puller],
-                [spec for plan in plans for spec in plan.pull_specs()],
-                timeout=_deadline(self.timeout_s),
-            )
-            self._wait_ready(pulled, time.monotonic() + self.timeout_s)
-            built, offset = {}, 0
-            for path, plan in zip(announced.paths, plans, strict=True):
-                count = len(plan.spec.pieces)
-                built[path] = plan.build(pulled[offset : offset + count])
-                offset += count
+            connections = self._connect([source.address for source in announced.sources])
+            expires = _deadline(self.timeout_s)
+            pulled = [  # issued to every source before any is waited on
+                connection.pull(source.uuids[self.puller], specs, timeout=expires)
+                for source, specs, connection in zip(announced.sources, requests, connections, strict=True)
+            ]
+            self._wait_ready([array for arrays in pulled for array in arrays], time.monotonic() + self.timeout_s)
+            placed: list[list[Any]] = [[None] * len(plan.spec.pieces) for plan in plans]
+            for source, arrays in zip(announced.sources, pulled, strict=True):
+                for (leaf, piece), array in zip(source.pieces, arrays, strict=True):
+                    placed[leaf][piece] = array
+            built = {path: plan.build(a) for path, plan, a in zip(announced.paths, plans, placed, strict=True)}
             params = jax.block_until_ready(jax.tree.unflatten(treedef, [built[path] for path in order]))
-        except Exception as err:  # the pull, or an offer that failed on the trainer's side
-            self._connection = None  # it may be broken; abandoned pulls go with it
+        except Exception as err:  # a pull, or an offer that failed on the trainer's side
+            self._connections.clear()  # they may be broken; abandoned pulls go with them
             if isinstance(err, DirectTransferError):
                 raise
             raise DirectTransferError(f"{type(err).__name__}: {err}") from err
         seconds = time.perf_counter() - started
         nbytes = tree_nbytes(params)
         logger.info(
-            "pulled weights version %d: %d bytes in %.3f s (%.1f MB/s)",
+            "pulled weights version %d from %d sources: %d bytes in %.3f s (%.1f MB/s)",
             announced.version,
+            len(announced.sources),
             nbytes,
             seconds,
             nbytes / max(seconds, 1e-9) / 1e6,
         )
         return LoadedWeights(params, announced.version, nbytes, seconds, "direct", announced.time)
 
-    def _connect(self, address: str) -> Any:
-        if self._connection is None or self._connection[0] != address:
-            self._connection = (address, self._server.connect(address))
-        return self._connection[1]
+    def _connect(self, addresses: list[str]) -> list[Any]:
+        """A connection to each address, kept for the next versions; those to other addresses (an earlier
+        trainer's) are dropped."""
+        kept = self._connections
+        self._connections = {a: kept[a] if a in kept else self._server.connect(a) for a in addresses}
+        return [self._connections[a] for a in addresses]
 
     def _wait_ready(self, arrays: list[jax.Array], deadline: float) -> None:
         """Return once every pulled array has arrived (or failed); raise at `deadline` or on close."""
@@ -308,7 +353,7 @@ class DirectWeightSubscriber:
 
     def close(self) -> None:
         self._closed.set()
-        self._connection = None
+        self._connections.clear()
         self.durable.close()
 
 
@@ -328,3 +373,17 @@ def _plans(announced: Announcement, targets: dict[str, Any]) -> tuple[list[str],
             )
         plans.append(plan_leaf(spec, target.sharding))
     return list(targets), plans
+
+
+def _requests(announced: Announcement, plans: list[LeafPlan]) -> list[list[jax.ShapeDtypeStruct]]:
+    """What to pull from each source, in the order it offered its pieces (refused unless the sources
+    offer every piece of every leaf exactly once)."""
+    specs = [plan.pull_specs() for plan in plans]
+    offered = [piece for source in announced.sources for piece in source.pieces]
+    every = {(leaf, piece) for leaf, leaf_specs in enumerate(specs) for piece in range(len(leaf_specs))}
+    if len(offered) != len(set(offered)) or set(offered) != every:
+        raise DirectTransferError(
+            f"the announced sources must offer each of the {len(every)} pieces once; they offer {len(offered)} "
+            f"({len(set(offered) - every)} unknown, {len(offered) - len(set(offered))} repeated)"
+        )
+    return [[specs[leaf][piece] for leaf, piece in source.pieces] for source in announced.sources]

@@ -2,10 +2,11 @@
 
 JAX's transfer server pulls an array shard by shard into a destination with the same number and sizes of
 shards, so it cannot reshard. The direct weight path therefore serves every leaf as its distinct shards
-(one per index: replicas are sent once), each a single-device array that the reader may land on any of its
-devices. The reader pulls each piece onto the device of its own layout that it overlaps most, then cuts
-every target shard from the pieces it overlaps (on the piece's device, so only the needed bytes move) and
-joins the parts on the shard's device. Where both layouts cut a leaf alike (e.g. trainer and rollout
+(one per index: replicas are sent once; with several trainer processes, by the lowest process holding the
+index), each a single-device array that the reader may land on any of its devices. The reader pulls each
+piece onto the device of its own layout that it overlaps most, then cuts every target shard from the
+pieces it overlaps (on the piece's device, so only the needed bytes move) and joins the parts on the
+shard's device. Where both layouts cut a leaf alike (e.g. trainer and rollout
 meshes of one shape) the pieces are the target's shards: nothing is cut, joined or moved after the pull.
 No device ever holds a whole leaf that its layout shards.
 """
@@ -39,17 +40,20 @@ def piece_shape(index: Index) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in index)
 
 
-def distinct_shards(leaf: jax.Array) -> list[tuple[Index, jax.Array]]:
-    """One single-device array per distinct index of `leaf` (a replica's buffer, not a copy)."""
-    if not leaf.is_fully_addressable:
-        raise ValueError(
-            "the direct weight path serves arrays held by one process; this one spans several "
-            "(a trainer over several processes publishes through the Orbax store only)"
-        )
-    found: dict[Index, jax.Array] = {}
+def offered_pieces(leaf: jax.Array) -> tuple[LeafSpec, list[tuple[int, jax.Array]]]:
+    """The leaf's spec (its distinct indices over every process, sorted) and the pieces this process
+    offers, as (number in `spec.pieces`, a local replica's buffer, not a copy): each distinct index is
+    offered by the lowest process holding it, so every piece is offered once over all processes."""
+    owners: dict[Index, int] = {}
+    for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+        bounds = normalized_index(index, leaf.shape)
+        owners[bounds] = min(owners.get(bounds, device.process_index), device.process_index)
+    spec = LeafSpec(tuple(leaf.shape), str(leaf.dtype), tuple(sorted(owners)))
+    local: dict[Index, jax.Array] = {}
     for shard in leaf.addressable_shards:
-        found.setdefault(normalized_index(shard.index, leaf.shape), shard.data)
-    return sorted(found.items())
+        local.setdefault(normalized_index(shard.index, leaf.shape), shard.data)
+    process = jax.process_index()
+    return spec, [(number, local[index]) for number, index in enumerate(spec.pieces) if owners[index] == process]
 
 
 @dataclasses.dataclass(frozen=True)
