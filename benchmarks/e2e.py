@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from common import measure_matmul_peak
 
+from areal_jax.compilation_cache import enable_compilation_cache
 from areal_jax.config import load_experiment
 from areal_jax.models.config import ModelConfig
 from areal_jax.system.async_rl import load_metrics, run_async
@@ -82,7 +83,6 @@ def run(eta: int, steps: int, warmup: int, output_dir: str, extra: list[str]) ->
             f"name=e2e-eta{eta}",
             f"train_steps={steps}",
             f"rollout.staleness.max_head_offpolicyness={eta}",
-            f"compilation_cache_dir={output_dir}/xla_cache",  # the second run reuses the first's programs
             *extra,
         ],
     )
@@ -114,9 +114,10 @@ def main() -> None:
     peaks = [measure_matmul_peak(1024, 5)]
     results = {}
     with tempfile.TemporaryDirectory() as output_dir:
+        enable_compilation_cache(Path(output_dir) / "xla_cache")  # the second run loads the first's programs
         for eta in (0, 2):
             results[eta] = run(eta, steps, warmup, output_dir, args.overrides)
-    peaks.append(measure_matmul_peak(1024, 5))
+        peaks.append(measure_matmul_peak(1024, 5))
     peak = max(peaks)
     print(f"parameters: {results[0]['parameters'] / 1e6:.2f} M")
     print(f"matmul_peak: {peak / 1e9:.1f} GFLOP/s")
