@@ -58,6 +58,8 @@ WORKLOAD = [
     f"rollout.workflow.sampling.max_new_tokens={NEW_TOKENS}",
     "rollout.workflow.sampling.temperature=1.0",
     "rollout.workflow.stop_at_tokenizer_stops=false",
+    # the proximal pass is skipped, as the FLOP count assumes: exact at eta 0, AReaL's interpolation at eta 2
+    "trainer.ppo.prox_logp_method=loglinear",
     # PackingConfig's defaults: the trainer picks each step's [rows, length] bucket itself
     "trainer.packing.token_budget=8192",
     "trainer.packing.rows=8",
