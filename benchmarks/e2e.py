@@ -10,7 +10,8 @@ prompts x 8 samples per step, exactly 64 new tokens per sample (no stop token), 
 samples/s is the steady state (the first steps, which compile and warm up, are left out). The model FLOPs
 of a sample of L tokens are its generation and prompt prefill (one forward over L tokens) plus the
 trainer's forward and backward (3 forwards over the L - 1 packed positions), attention included
-(`ModelConfig.matmul_flops_per_token`); the proximal pass is not counted. The bound is the matmul peak
+(`ModelConfig.matmul_flops_per_token`); the proximal pass is not counted, and not run
+(`trainer.ppo.prox_logp_method=loglinear`, exact at eta = 0). The bound is the matmul peak
 measured in the same run, before and after the runs (best of both).
 
 Prints `name: value unit` lines; the last is `ratio e2e_vs_bound: X.XX` (achieved FLOP/s / peak, of the
