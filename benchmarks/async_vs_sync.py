@@ -188,16 +188,16 @@ def measure(run_dir: Path, steps: int) -> Measured:
     )
 
 
-def distributed_run(eta: int, steps: int, root: Path, name: str, trainer_cores: int) -> Measured:
-    overrides = [*WORKLOAD, f"output_dir={root}", f"name={name}", f"compilation_cache_dir={CACHE}"]
+def distributed_run(eta: int, steps: int, root: Path, name: str, trainer_cores: int, extra: list[str]) -> Measured:
+    overrides = [*WORKLOAD, *extra, f"output_dir={root}", f"name={name}", f"compilation_cache_dir={CACHE}"]
     overrides += [f"train_steps={steps}", f"rollout.staleness.max_head_offpolicyness={eta}"]
     launch = ["launch", "local", "--rollout", "1", "--trainer-cores", str(trainer_cores), str(CHAIN_SUMS)]
     run_cli([*launch, *overrides], root / f"{name}.log")
     return measure(root / name, steps)
 
 
-def colocated_run(steps: int, root: Path, name: str) -> Measured:
-    overrides = [*WORKLOAD, f"output_dir={root}", f"name={name}", f"compilation_cache_dir={CACHE}"]
+def colocated_run(steps: int, root: Path, name: str, extra: list[str]) -> Measured:
+    overrides = [*WORKLOAD, *extra, f"output_dir={root}", f"name={name}", f"compilation_cache_dir={CACHE}"]
     overrides += [f"train_steps={steps}", "rollout.staleness.max_head_offpolicyness=0"]
     run_cli(["train", str(CHAIN_SUMS), *overrides], root / f"{name}.log")
     return measure(root / name, steps)
@@ -220,7 +220,7 @@ def print_run(name: str, result: Measured, phases: bool) -> None:
         print(f"{name}_interruptions: {result.interruptions:.0f} samples")
 
 
-def main_distributed(quick: bool, root: Path) -> None:
+def main_distributed(quick: bool, root: Path, extra: list[str]) -> None:
     cores = len(os.sched_getaffinity(0))
     if cores < 2:
         raise SystemExit("the distributed mode needs at least 2 CPU cores (one per role)")
@@ -230,9 +230,9 @@ def main_distributed(quick: bool, root: Path) -> None:
     runs: dict[str, list[Measured]] = {"async": [], "sync": [], "colocated": []}
     load_before = os.getloadavg()[0]
     for repeat in range(repeats):
-        runs["async"].append(distributed_run(ETA_ASYNC, steps, root, f"async-{repeat}", trainer_cores))
-        runs["sync"].append(distributed_run(0, steps, root, f"sync-{repeat}", trainer_cores))
-        runs["colocated"].append(colocated_run(steps, root, f"colocated-{repeat}"))
+        runs["async"].append(distributed_run(ETA_ASYNC, steps, root, f"async-{repeat}", trainer_cores, extra))
+        runs["sync"].append(distributed_run(0, steps, root, f"sync-{repeat}", trainer_cores, extra))
+        runs["colocated"].append(colocated_run(steps, root, f"colocated-{repeat}", extra))
     async_, sync, colocated = (max(runs[k], key=lambda r: r.steps_per_second) for k in runs)
     lengths = sync.lengths
     # other work on the machine takes cores from the pinned roles: see the *_trainer_cpu_share lines
@@ -258,7 +258,7 @@ def main_distributed(quick: bool, root: Path) -> None:
     print(f"ratio async_vs_sync: {ratio:.2f}")
 
 
-def main_inprocess(quick: bool, root: Path) -> None:
+def main_inprocess(quick: bool, root: Path, extra: list[str]) -> None:
     steps, repeats = (48, 1) if quick else (200, 2)
     overrides = ["train_checkpoint.every_steps=100000", "report.plots=false", f"compilation_cache_dir={CACHE}"]
     runs: dict[int, list[float]] = {2: [], 0: []}
@@ -267,7 +267,7 @@ def main_inprocess(quick: bool, root: Path) -> None:
             name = f"eta{eta}-{repeat}"
             args = [f"output_dir={root}", f"name={name}", f"train_steps={steps}"]
             args.append(f"rollout.staleness.max_head_offpolicyness={eta}")
-            run_cli(["train", str(ARITHMETIC), *overrides, *args], root / f"{name}.log")
+            run_cli(["train", str(ARITHMETIC), *overrides, *extra, *args], root / f"{name}.log")
             wall = np.array([m["time/wall"] for m in read_jsonl(root / name / "metrics.jsonl")])
             skip = steps // 4
             runs[eta].append((len(wall) - skip) / (wall[-1] - wall[skip - 1]))
@@ -281,11 +281,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="40 steps per run, one run each")
     parser.add_argument("--mode", choices=("distributed", "inprocess"), default="distributed")
     parser.add_argument("--keep", type=Path, help="keep the runs (logs, metrics, rollout logs) in this directory")
+    parser.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         root.mkdir(parents=True, exist_ok=True)
-        (main_distributed if args.mode == "distributed" else main_inprocess)(args.quick, root)
+        (main_distributed if args.mode == "distributed" else main_inprocess)(args.quick, root, args.overrides)
 
 
 if __name__ == "__main__":
