@@ -45,9 +45,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--unrolled", action="store_true", help="layers unrolled (model.scan_layers=false)")
     args = parser.parse_args()
     rows, steps = (1, 3) if args.quick else (args.rows, args.steps)
-    cfg = MODEL_100M.replace(param_dtype=args.dtype, compute_dtype=args.dtype)
+    cfg = MODEL_100M.replace(param_dtype=args.dtype, compute_dtype=args.dtype, scan_layers=not args.unrolled)
     if args.quick:
         cfg = cfg.replace(num_layers=2)
     dtype = cfg.compute_jnp_dtype

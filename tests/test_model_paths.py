@@ -136,7 +136,7 @@ def test_decode_step_neither_copies_nor_transposes_the_cache(model, attend_lengt
     assert fusions and all("scatter" in name for name, shape in fusions if shape in shapes), fusions
 
 
-def test_remat_keeps_value_and_gradient():
+def test_remat_and_unrolled_layers_keep_value_and_gradient():
     def loss(cfg):
         model = Decoder(cfg, nnx.Rngs(0))
         graphdef, state = nnx.split(model)
@@ -151,8 +151,8 @@ def test_remat_keeps_value_and_gradient():
         return jax.value_and_grad(f)(state)
 
     v0, g0 = loss(CFG)
-    for remat in ("full", "dots"):
-        v1, g1 = loss(CFG.replace(remat=remat))
+    for variant in (CFG.replace(remat="full"), CFG.replace(remat="dots"), CFG.replace(scan_layers=False)):
+        v1, g1 = loss(variant)
         np.testing.assert_allclose(v1, v0, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -235,3 +235,15 @@ def test_blocked_row_attention_equals_numpy_and_unblocked_gradients():
     grads_blocked, grads_whole = grad(8, q, key, value), grad(t, q, key, value)
     for got, want in zip(grads_blocked, grads_whole, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_unrolled_layers_compile_without_a_loop():
+    def hlo(cfg: ModelConfig) -> str:
+        graphdef, state = nnx.split(Decoder(cfg, nnx.Rngs(0)))
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        seg, pos = jnp.ones((1, 8), jnp.int32), jnp.arange(8)[None]
+        forward = jax.jit(lambda s: nnx.merge(graphdef, s).hidden_states(tokens, seg, pos))
+        return forward.lower(state).as_text()
+
+    assert "stablehlo.while" in hlo(CFG)
+    assert "stablehlo.while" not in hlo(CFG.replace(scan_layers=False))

@@ -57,6 +57,12 @@ class ModelConfig(Config):
     param_dtype: Literal["float32", "bfloat16"] = option("float32", doc="storage dtype of parameters")
     compute_dtype: Literal["float32", "bfloat16"] = option("float32", doc="matmul dtype; norms/softmax stay fp32")
     remat: Literal["none", "full", "dots"] = option("none", doc="rematerialise each layer in the backward pass")
+    scan_layers: bool = option(
+        True,
+        doc="run the stacked layers as one lax.scan (compile time independent of depth); false unrolls them, "
+        "so XLA:CPU neither copies each layer's weights out of the stack nor stacks their gradients (faster "
+        "train steps for shallow models on CPU: docs/benchmarks.md), compile time growing with depth",
+    )
     logprob_chunk: int = option(512, ge=1, doc="tokens per chunk when turning hidden states into log-probs")
     attention_impl: Literal["xla"] = option("xla", doc="attention kernel; 'xla' is the portable one")
     initializer_range: float = option(0.02, gt=0, doc="std of the normal init of fresh weights")
