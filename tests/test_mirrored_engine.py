@@ -110,3 +110,72 @@ def test_engine_over_two_processes_matches_one_process_and_stops_on_a_lost_proce
         np.testing.assert_array_equal(ours["output_logprobs"], theirs["output_logprobs"])
     versions = [set(row["output_versions"]) for row in reference]
     assert {0, 1} in versions and any(row["num_interruptions"] == 1 for row in reference)  # swapped mid-stream
+
+
+SERVER_RUN = [
+    "configs/train_cpu.yaml",
+    "rollout.engine.max_slots=8",
+    "rollout.engine.max_prefill_batch=2",  # few engine programs to compile
+    "rollout.staleness.batch_prompts=4",
+    "rollout.staleness.max_head_offpolicyness=1",
+    "rollout.workflow.n_samples=2",
+    "dataset.heldout=0",
+    "cluster.weights_poll_s=0.05",
+    "cluster.status_every_s=0.2",
+]
+
+
+def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp_path: Path) -> None:
+    from areal_jax.config import load_experiment
+    from areal_jax.data.rollout_log import list_shards
+    from areal_jax.system.assembly import build_tokenizer, random_policy
+    from areal_jax.system.cluster import ControlFiles
+
+    cfg = load_experiment(SERVER_RUN[0], [*SERVER_RUN[1:], f"output_dir={tmp_path}", "name=run"])
+    control = ControlFiles(cfg.run_dir, 1)
+    control.clear()
+    publisher = OrbaxWeightPublisher(cfg.run_dir / "weights", async_save=False)
+    tokenizer = build_tokenizer(cfg)
+    publisher.publish(nnx.state(random_policy(cfg, None, tokenizer)), 0)
+    control.trainer_ready(0)  # the trainer stand-in: versions into the store, the control files
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *SERVER_RUN, f"output_dir={tmp_path}"]
+    command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
+    command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
+    servers = [
+        subprocess.Popen(
+            [*command, f"distributed.process_id={i}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    log = cfg.run_dir / "rollout_log"
+
+    def written() -> int:
+        return sum(shard.num_records for shard in list_shards(log)) if log.is_dir() else 0
+
+    def wait_until(predicate, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert all(s.poll() is None for s in servers), "a server process ended early"
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.1)
+
+    wait_until(lambda: written() >= 8 * 2, 240)  # the bound at v0: (1 + 0 + 1) x 4 groups of 2
+    publisher.publish(nnx.state(random_policy(cfg.replace(seed=1), None, tokenizer)), 1)
+    wait_until(lambda: written() >= 12 * 2, 120)  # admitted only once v1 is in use: (1 + 1 + 1) x 4
+    control.request_stop("test")
+    outputs = [server.communicate(timeout=60)[0] for server in servers]
+    publisher.close()
+    assert [server.returncode for server in servers] == [0, 0], outputs[1][-3000:] + outputs[0][-3000:]
+    for output in outputs:
+        assert '"ended_by": "stop"' in output
+        assert "loaded weights version 1" in output  # each process restored v1 by itself
+    assert json.loads(control.status_path(0).read_text())["pid"] == servers[0].pid
+    assert {shard.writer_id.rsplit("-", 1)[1] for shard in list_shards(log)} == {str(servers[0].pid)}
+    assert not list((cfg.run_dir / "control").glob("*.failed"))
