@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Starts a multi-node GPU run inside a SLURM allocation (salloc/sbatch of TRAINER_NODES + ROLLOUT_SERVERS x
 # ROLLOUT_NODES nodes): one `srun` step for the trainer (one process per GPU on each trainer node;
-# jax.distributed reads SLURM's environment) and one per rollout server (one process with all GPUs of each
-# of its nodes; over several nodes one jax.distributed job, its first process driving). Waits for the
-# trainer, then stops the rollout servers. See docs/gpu.md.
+# jax.distributed reads SLURM's environment) and one per rollout server (one process with all GPUs of its
+# node; over several nodes, one process per GPU in one jax.distributed job, its first process driving).
+# Waits for the trainer, then stops the rollout servers. See docs/gpu.md.
 set -euo pipefail
 # shellcheck source=tpu_scripts/lib.sh
 source "$(dirname "$0")/../tpu_scripts/lib.sh"
@@ -55,13 +55,17 @@ trainer_hosts=$(IFS=,; echo "${hosts[*]:0:TRAINER_NODES}")
 step srun "--nodes=$TRAINER_NODES" "--ntasks-per-node=$GPUS_PER_NODE" "--gpus-per-node=$GPUS_PER_NODE" \
   "--nodelist=$trainer_hosts" --kill-on-bad-exit=1 "--output=$LOG_DIR/$RUN-trainer-%t.log" \
   "$VENV/bin/areal-jax" trainer "$CONFIG" distributed.enabled=true "${common[@]}"
-spanning=()
-((ROLLOUT_NODES > 1)) && spanning=(distributed.enabled=true)
 for ((i = 0; i < ROLLOUT_SERVERS; i++)); do
-  server_hosts=$(IFS=,; echo "${hosts[*]:TRAINER_NODES + i * ROLLOUT_NODES:ROLLOUT_NODES}")
-  step srun "--nodes=$ROLLOUT_NODES" --ntasks-per-node=1 "--gpus-per-node=$GPUS_PER_NODE" "--nodelist=$server_hosts" \
-    --kill-on-bad-exit=1 "--output=$LOG_DIR/$RUN-rollout-$i-%t.log" "$VENV/bin/areal-jax" rollout "$CONFIG" \
-    --server "$i" "${spanning[@]}" "${common[@]}"
+  first=$((TRAINER_NODES + i * ROLLOUT_NODES))
+  if ((ROLLOUT_NODES == 1)); then
+    step srun --nodes=1 --ntasks=1 "--gpus-per-node=$GPUS_PER_NODE" "--nodelist=${hosts[first]}" \
+      "--output=$LOG_DIR/$RUN-rollout-$i.log" "$VENV/bin/areal-jax" rollout "$CONFIG" --server "$i" "${common[@]}"
+  else  # one task per GPU, as the trainer's: jax.distributed under srun gives each task its SLURM_LOCALID's GPU
+    step srun "--nodes=$ROLLOUT_NODES" "--ntasks-per-node=$GPUS_PER_NODE" "--gpus-per-node=$GPUS_PER_NODE" \
+      "--nodelist=$(IFS=,; echo "${hosts[*]:first:ROLLOUT_NODES}")" --kill-on-bad-exit=1 \
+      "--output=$LOG_DIR/$RUN-rollout-$i-%t.log" "$VENV/bin/areal-jax" rollout "$CONFIG" --server "$i" \
+      distributed.enabled=true "${common[@]}"
+  fi
 done
 ((DRY_RUN)) && exit 0
 

@@ -194,24 +194,25 @@ def test_gpu_multinode_launch_puts_the_trainer_then_each_rollout_server_on_its_n
     args += ["--rollout-servers", "2", "--gpus-per-node", "4", "--nodelist", "n1,n2,n3,n4", "--log-dir", "/l"]
     lines = commands("scripts/launch_gpu_multinode.sh", *args, "--venv", "/v", "--", "train_steps=3")
     shared = ["output_dir=/shared/runs", "name=g", "cluster.rollout_servers=2", "train_steps=3", "&"]
-    server = ["--ntasks-per-node=1", "--gpus-per-node=4"]
     assert lines == [
         ["mkdir", "-p", "/l"],
         ["srun", "--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--nodelist=n1,n2", "--kill-on-bad-exit=1",
          "--output=/l/g-trainer-%t.log", "/v/bin/areal-jax", "trainer", "c.yaml", "distributed.enabled=true",
          *shared],
-        ["srun", "--nodes=1", *server, "--nodelist=n3", "--kill-on-bad-exit=1", "--output=/l/g-rollout-0-%t.log",
+        ["srun", "--nodes=1", "--ntasks=1", "--gpus-per-node=4", "--nodelist=n3", "--output=/l/g-rollout-0.log",
          "/v/bin/areal-jax", "rollout", "c.yaml", "--server", "0", *shared],
-        ["srun", "--nodes=1", *server, "--nodelist=n4", "--kill-on-bad-exit=1", "--output=/l/g-rollout-1-%t.log",
+        ["srun", "--nodes=1", "--ntasks=1", "--gpus-per-node=4", "--nodelist=n4", "--output=/l/g-rollout-1.log",
          "/v/bin/areal-jax", "rollout", "c.yaml", "--server", "1", *shared],
     ]  # fmt: skip
     few = dry_run("scripts/launch_gpu_multinode.sh", *args[:8], "--nodelist", "n1,n2", check=False)
     assert few.returncode == 2 and "3 nodes needed" in few.stderr
-    # servers of 2 nodes each: one jax.distributed job per server, over its nodes
-    spanning = commands("scripts/launch_gpu_multinode.sh", *args[:-4], "--nodelist", "n1,n2,n3,n4,n5,n6",
-                        "--rollout-nodes", "2")  # fmt: skip
-    assert [line[4] for line in spanning[2:]] == ["--nodelist=n3,n4", "--nodelist=n5,n6"]
-    assert all(line[1] == "--nodes=2" and "distributed.enabled=true" in line for line in spanning[2:])
+    # servers of 2 nodes each: one process per GPU, one jax.distributed job per server over its nodes
+    hosts = ["--nodelist", "n1,n2,n3,n4,n5,n6", "--rollout-nodes", "2"]
+    spanning = commands("scripts/launch_gpu_multinode.sh", *args[:-4], *hosts)[2:]
+    assert [line[1:5] for line in spanning] == [
+        ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", f"--nodelist={nodes}"] for nodes in ("n3,n4", "n5,n6")
+    ]
+    assert all("distributed.enabled=true" in line for line in spanning)
 
 
 def test_device_check_installs_then_runs_every_benchmark_then_builds_the_table():
