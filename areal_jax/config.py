@@ -68,7 +68,8 @@ class ExperimentConfig(Config):
         default_factory=ClusterConfig, doc="rollout servers and trainer as separate processes (launch/rollout/trainer)"
     )
     distributed: DistributedConfig = option(
-        default_factory=DistributedConfig, doc="jax.distributed for a trainer over several processes or hosts"
+        default_factory=DistributedConfig,
+        doc="jax.distributed for a role (trainer, rollout server) over several processes or hosts",
     )
     compilation_cache_dir: str | None = option(
         None, doc="persistent XLA compilation cache shared by runs (local or gs://); null = off"

@@ -131,7 +131,8 @@ def test_start_runs_each_role_on_all_workers_of_its_slice(env_file):
     shared = "output_dir=gs://bkt/runs name=r1 cluster.rollout_servers=2 train_steps=5 --resume"
     config = "configs/recipes/qwen25_05b_gsm8k.yaml"
     trainer = f"trainer {config} distributed.enabled=true"  # the slice's workers: one jax.distributed job
-    roles = [trainer, f"rollout {config} --server 0", f"rollout {config} --server 1"]
+    server = f"rollout {config} --server {{}} distributed.enabled=true"  # a slice of several hosts: one server
+    roles = [trainer, server.format(0), server.format(1)]
     logs = ["trainer", "rollout-0", "rollout-1"]
     for line, role, log in zip(lines, roles, logs, strict=True):
         script = remote(line)
@@ -205,6 +206,13 @@ def test_gpu_multinode_launch_puts_the_trainer_then_each_rollout_server_on_its_n
     ]  # fmt: skip
     few = dry_run("scripts/launch_gpu_multinode.sh", *args[:8], "--nodelist", "n1,n2", check=False)
     assert few.returncode == 2 and "3 nodes needed" in few.stderr
+    # servers of 2 nodes each: one process per GPU, one jax.distributed job per server over its nodes
+    hosts = ["--nodelist", "n1,n2,n3,n4,n5,n6", "--rollout-nodes", "2"]
+    spanning = commands("scripts/launch_gpu_multinode.sh", *args[:-4], *hosts)[2:]
+    assert [line[1:5] for line in spanning] == [
+        ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", f"--nodelist={nodes}"] for nodes in ("n3,n4", "n5,n6")
+    ]
+    assert all("distributed.enabled=true" in line for line in spanning)
 
 
 def test_device_check_installs_then_runs_every_benchmark_then_builds_the_table():

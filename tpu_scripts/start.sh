@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Starts the roles on every worker, detached (nohup), one log file per worker in ~/areal-logs: the
 # trainer (`areal-jax trainer`) on RUN-trainer, rollout server I (`areal-jax rollout --server I`) on
-# RUN-rollout-I. All share the run directory gs://BUCKET/runs/RUN. The trainer's workers form one
-# jax.distributed job (distributed.enabled=true; its peers are found from the TPU environment).
+# RUN-rollout-I. All share the run directory gs://BUCKET/runs/RUN. The workers of each slice form one
+# jax.distributed job (distributed.enabled=true; peers found from the TPU environment): the trainer's, and
+# each inference slice's, whose server then spans all its hosts (worker 0 drives, the others follow).
 set -euo pipefail
 # shellcheck source=tpu_scripts/lib.sh
 source "$(dirname "$0")/lib.sh"
@@ -25,6 +26,6 @@ launch() {
 
 on_workers "$(trainer_node)" "$(launch trainer trainer distributed.enabled=true)"
 for ((i = 0; i < INFERENCE_SLICES; i++)); do
-  on_workers "$(inference_node "$i")" "$(launch "rollout-$i" rollout --server "$i")"
+  on_workers "$(inference_node "$i")" "$(launch "rollout-$i" rollout --server "$i" distributed.enabled=true)"
 done
 ((DRY_RUN)) || say "started; follow with logs.sh, stop with stop.sh"

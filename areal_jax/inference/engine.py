@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.inference.sampling import SamplingParams, sample_slots
@@ -170,6 +170,10 @@ class Engine:
         self.layer_copies = config.keeps_layer_copies(platform)
         self._decode_shardings = self._make_decode_shardings()
         self.prefill_rows = config.row_buckets(min(config.max_prefill_batch, config.max_slots))
+        # The host reads each step's tokens on process 0: over a mesh of several processes they are
+        # replicated (the emitted arrays are [S], tiny next to the step).
+        spans_processes = mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+        emitted_sharding = NamedSharding(mesh, PartitionSpec()) if spans_processes else None
         self._prefill = jax.jit(self._prefill_impl)
         self._prefill_batch = jax.jit(self._prefill_batch_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
@@ -178,7 +182,7 @@ class Engine:
             self._generate_impl,
             static_argnums=(3,),
             donate_argnums=(2,),
-            out_shardings=(self._decode_shardings, None),
+            out_shardings=(self._decode_shardings, emitted_sharding),
         )
         self._layer_states = jax.jit(lambda state: nnx.merge(self.graphdef, state).layer_states())
         self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
@@ -300,18 +304,7 @@ class Engine:
         """Compile every program the generator can need (batched prefill and insert at each row and length
         bucket, generate at each cache-prefix bucket), so no request pays a compilation later. The
         one-prompt `prefill`/`insert` of the JetStream API are compiled too with `single_prompt_api`."""
-        decode_state = self.init_decode_state()
-        sampling = SamplingParams()
-        for bucket in self.buckets:
-            length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
-            if single_prompt_api:
-                prefix = self.prefill(params, np.zeros(bucket, np.int32), length)
-                decode_state = self.insert(prefix, decode_state, 0, sampling, jax.random.key(0))
-            for rows in self.prefill_rows:
-                batch = self.prefill_batch(params, [[1] * length] * rows)
-                decode_state = self.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
-            decode_state, result = self.generate(params, decode_state, max_position=length)
-        jax.block_until_ready(result)
+        warm_up(self, params, single_prompt_api)
 
     # -- compiled bodies -----------------------------------------------------------------------
 
@@ -410,3 +403,19 @@ class Engine:
             keys=jax.vmap(jax.random.key_data)(next_keys),
         )
         return new_state, emitted
+
+
+def warm_up(engine: Engine, params: VersionedParams, single_prompt_api: bool = False) -> None:
+    """`Engine.warmup` through `engine`'s public calls (so an engine that mirrors them warms up its mirrors)."""
+    decode_state = engine.init_decode_state()
+    sampling = SamplingParams()
+    for bucket in engine.buckets:
+        length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
+        if single_prompt_api:
+            prefix = engine.prefill(params, np.zeros(bucket, np.int32), length)
+            decode_state = engine.insert(prefix, decode_state, 0, sampling, jax.random.key(0))
+        for rows in engine.prefill_rows:
+            batch = engine.prefill_batch(params, [[1] * length] * rows)
+            decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
+        decode_state, result = engine.generate(params, decode_state, max_position=length)
+    jax.block_until_ready(result)

@@ -65,14 +65,21 @@ class ClusterConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig(Config):
-    """`jax.distributed` for a trainer spread over several processes (hosts). Null fields are detected from
-    the environment (Cloud TPU, SLURM, Open MPI), as `jax.distributed.initialize()` does."""
+    """`jax.distributed` for the role this process runs (`areal-jax trainer`, `areal-jax rollout`) spread over
+    several processes (hosts) as one program on one mesh. Null fields are detected from the environment
+    (Cloud TPU, SLURM, Open MPI), as `jax.distributed.initialize()` does."""
 
-    enabled: bool = option(False, doc="call jax.distributed.initialize before building the trainer's mesh")
+    enabled: bool = option(False, doc="call jax.distributed.initialize before building the role's mesh")
     coordinator_address: str | None = option(None, doc="host:port of process 0; null = detect")
-    num_processes: int | None = option(None, ge=1, doc="trainer processes; null = detect")
+    num_processes: int | None = option(None, ge=1, doc="processes of the role; null = detect")
     process_id: int | None = option(None, ge=0, doc="this process's index; null = detect")
     local_device_ids: tuple[int, ...] | None = option(None, doc="devices this process uses; null = all local")
+    peer_timeout_s: float = option(
+        60.0,
+        gt=2.0,
+        doc="a rollout server over several processes: process 0 exits (status 1, for a restart of the whole "
+        "server) when another of its processes closed its connection, or showed no sign of life for this long",
+    )
 
     def validate(self) -> None:
         if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
@@ -80,7 +87,7 @@ class DistributedConfig(Config):
 
 
 def initialize_distributed(config: DistributedConfig) -> None:
-    """Join the trainer's processes (no-op unless enabled)."""
+    """Join the role's processes (no-op unless enabled)."""
     if not config.enabled:
         return
     import jax

@@ -12,6 +12,11 @@ held-out split at the versions `eval.every_steps` names. The server ends when th
 marker, when its prompts run out (`control/rollout-<i>.done`) or when its failure budget is spent
 (`control/rollout-<i>.failed`, which stops the trainer too). A restarted server issues again the groups it
 had in flight (`resume_point`).
+
+With `distributed.enabled` over several processes (hosts), the server is one program whose engine mesh
+spans every process's devices: process 0 runs everything above on a `MirroredEngine`, the other processes
+carry out its engine calls and weight loads (`mirrored_engine.py`) and write nothing; process 0's end ends
+them, and process 0 exits (status 1) as soon as it loses one of them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import dataclasses
 import logging
 import os
 import queue
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -45,10 +52,14 @@ from areal_jax.system.cluster import (
     DIRECT_FALLBACKS,
     WEIGHTS_DIR,
     ControlFiles,
+    initialize_distributed,
     resume_point,
     server_group_ids,
     weight_load_status,
 )
+from areal_jax.system.command_channel import CommandReceiver, CommandSender, PeerLost
+from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
+from areal_jax.system.trainer_processes import TrainerProcesses
 from areal_jax.system.weight_paths import open_subscriber
 from areal_jax.weights.base import WeightSubscriber, abstract_target
 
@@ -85,17 +96,45 @@ def run_rollout_server(
     servers = cfg.cluster.rollout_servers
     if not 0 <= server < servers:
         raise ConfigError("cluster.rollout_servers", f"value {servers} has no server {server} (0..{servers - 1})")
-    run_dir = cfg.run_dir
-    control = ControlFiles(run_dir, servers)
+    initialize_distributed(cfg.distributed)
     stop_event = stop_event or threading.Event()
     tokenizer = build_tokenizer(cfg)
-    mesh = make_mesh(cfg.mesh, jax.local_devices())
+    mesh = make_mesh(cfg.mesh, jax.devices())  # with several processes: every process's devices
     policy = abstract_policy(cfg, tokenizer)
     engine = Engine(policy, cfg.rollout.engine, mesh)
     target = abstract_target(nnx.state(policy), engine.param_shardings)  # what each version is loaded onto
+    if jax.process_count() == 1:
+        return _serve(cfg, server, tokenizer, engine, target, stop_event)
+    channel = _join_processes(cfg)
+    if isinstance(channel, CommandReceiver):
+        return _follow(cfg, server, engine, target, channel, stop_event)
+    mirrored = MirroredEngine(engine, channel)
+    ended_by = "failed"
+    try:
+        summary = _serve(cfg, server, tokenizer, mirrored, target, stop_event)
+        ended_by = summary.ended_by
+        return summary
+    finally:
+        mirrored.stop(ended_by)  # every other process ends with process 0
+
+
+def _serve(
+    cfg: ExperimentConfig,
+    server: int,
+    tokenizer: Any,
+    engine: Engine | MirroredEngine,
+    target: Any,
+    stop_event: threading.Event,
+) -> RolloutServerSummary:
+    """The server on `engine` (process 0's, when the server spans several processes)."""
+    servers = cfg.cluster.rollout_servers
+    run_dir = cfg.run_dir
+    control = ControlFiles(run_dir, servers)
     subscriber = _wait_for_trainer(control, run_dir / WEIGHTS_DIR, cfg, server, stop_event)
     if subscriber is None:
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
+    if isinstance(engine, MirroredEngine):
+        subscriber = MirroredWeights(subscriber, engine)
     resources.record(run_dir, f"rollout-{server}", jax.local_devices())
     try:
         first = subscriber.load(subscriber.latest_version(), target)
@@ -142,6 +181,8 @@ def run_rollout_server(
                     serving.write_status()
                 if follower.error is not None:  # not the rollouts' fault: the launcher restarts the server
                     raise RolloutServerError(f"loading new weights failed: {follower.error}") from follower.error
+                if ended_by == "failed" and isinstance(engine, MirroredEngine) and engine.lost is not None:
+                    raise RolloutServerError(engine.lost)  # the failures were the lost process's, not the rollouts'
                 if ended_by == "failed":
                     control.mark_failed(server, str(controller.failure))
                     raise RolloutServerError(str(controller.failure))
@@ -157,6 +198,79 @@ def run_rollout_server(
                 )
     finally:
         subscriber.close()
+
+
+def _join_processes(cfg: ExperimentConfig) -> CommandSender | CommandReceiver:
+    """Connect the server's processes: process 0 listens, shares its address (a collective), the others
+    connect (`command_channel.py`)."""
+    processes = TrainerProcesses()
+    timeout = cfg.distributed.peer_timeout_s
+    if not processes.primary:
+        address = processes.share(None)
+        try:
+            return CommandReceiver(address, processes.index, timeout)
+        except OSError as err:
+            raise RolloutServerError(f"process {processes.index} cannot reach process 0 at {address}: {err}") from err
+    sender = CommandSender(_reachable_host(cfg), processes.count - 1, timeout, _exit_on_lost)
+    processes.share(sender.address)
+    try:
+        sender.accept(timeout)
+    except PeerLost as err:
+        raise RolloutServerError(str(err)) from err
+    logger.info("rollout server over %d processes: the others follow process 0's commands", processes.count)
+    return sender
+
+
+def _reachable_host(cfg: ExperimentConfig) -> str:
+    """Process 0's address as the other processes reach it: the coordinator's host (process 0 runs the
+    coordinator), else the address of this host's name."""
+    coordinator = cfg.distributed.coordinator_address
+    if coordinator:
+        return coordinator.rsplit(":", 1)[0].strip("[]")
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _exit_on_lost(message: str) -> None:
+    """Process 0 lost another process: every collective would now hang or fail, so the server ends at once
+    (status 1); the launcher restarts it whole and it re-issues its groups in flight (`resume_point`)."""
+    logger.error("rollout server lost a process: %s; exiting", message)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    print(f"areal-jax rollout: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _follow(
+    cfg: ExperimentConfig,
+    server: int,
+    engine: Engine,
+    target: Any,
+    receiver: CommandReceiver,
+    stop_event: threading.Event,
+) -> RolloutServerSummary:
+    """A process > 0 of the server: carries out process 0's engine commands until its stop; writes nothing."""
+    subscriber: WeightSubscriber | None = None
+    versions = 0
+
+    def restore(version: int) -> Any:
+        nonlocal subscriber, versions
+        subscriber = subscriber or open_subscriber(cfg, server)  # the store exists once process 0 names a version
+        weights = subscriber.load(version, target)
+        if weights.version != version:
+            raise RolloutServerError(f"weights version {version} vanished before process {jax.process_index()} read it")
+        versions += 1
+        return weights.params
+
+    try:
+        ended_by = follow(engine, receiver, restore, stop_event.is_set)
+    except PeerLost as err:
+        raise RolloutServerError(str(err)) from err
+    finally:
+        receiver.close()
+        if subscriber is not None:
+            subscriber.close()
+    logger.info("process %d of rollout server %d: process 0 ended (%s)", jax.process_index(), server, ended_by)
+    return RolloutServerSummary(server, 0, 0, 0, versions, ended_by=ended_by)
 
 
 def _wait_for_trainer(

@@ -3,12 +3,17 @@ Orbax store in `<run>/weights` alone, or the direct transfer path beside it (`we
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import jax
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles
 from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
+
+logger = logging.getLogger(__name__)
 
 
 def open_publisher(cfg: ExperimentConfig) -> OrbaxWeightPublisher | DirectWeightPublisher:
@@ -27,11 +32,24 @@ def open_publisher(cfg: ExperimentConfig) -> OrbaxWeightPublisher | DirectWeight
 
 
 def open_subscriber(cfg: ExperimentConfig, server: int) -> OrbaxWeightSubscriber | DirectWeightSubscriber:
-    """Rollout server `server`'s end."""
+    """Rollout server `server`'s end. A server over several processes reads the store alone, each process
+    on its own (`system/mirrored_engine.py`): the direct path pulls onto one process's devices."""
     cluster = cfg.cluster
     poll = cluster.weights_poll_s
-    store = OrbaxWeightSubscriber(cfg.run_dir / WEIGHTS_DIR, poll_initial_s=poll, poll_max_s=poll)
+    several = jax.process_count() > 1
+    store = OrbaxWeightSubscriber(
+        cfg.run_dir / WEIGHTS_DIR, poll_initial_s=poll, poll_max_s=poll, process_local=several
+    )
     if cluster.weight_transfer == "orbax":
+        return store
+    if several:
+        if jax.process_index() == 0:
+            logger.warning(
+                "cluster.weight_transfer=direct: rollout server %d runs over %d processes and loads every "
+                "version from the store instead (the direct path serves servers of one process)",
+                server,
+                jax.process_count(),
+            )
         return store
     return DirectWeightSubscriber(
         _announcement(cfg),

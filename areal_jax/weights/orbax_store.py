@@ -8,7 +8,9 @@ into `<version>.orbax-checkpoint-tmp-<n>/` and becomes `<version>/` by one renam
 Orbax lists only committed versions, so a reader never sees a half-written one. Stale temporary
 directories of a killed publisher are removed when the next publisher opens the directory.
 
-Readers open the directory read-only, poll `reload()` + `latest_step()` (on a local directory only when
+Readers open the directory read-only (in a program of several processes, `process_local` readers each
+read on their own, with none of Orbax's collectives: a rollout server's processes restore the version
+process 0 names, each its own shards), poll `reload()` + `latest_step()` (on a local directory only when
 its names changed), and restore straight onto their own mesh: the target is abstract arrays carrying the
 reader's shardings, so each reader process reads only the slices its devices hold (a mesh shape
 different from the writer's is fine). If the version
@@ -25,6 +27,7 @@ import threading
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from areal_jax.weights.base import LoadedWeights, checkpoint_location, poll_for_version, target_shardings, tree_nbytes
@@ -119,12 +122,25 @@ class OrbaxWeightPublisher:
 class OrbaxWeightSubscriber:
     """Reads versions from a publisher's directory, read-only; polls with a bounded backoff."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, poll_initial_s: float = 0.05, poll_max_s: float = 1.0):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        poll_initial_s: float = 0.05,
+        poll_max_s: float = 1.0,
+        process_local: bool = False,
+    ):
         if not 0 < poll_initial_s <= poll_max_s:
             raise ValueError(f"need 0 < poll_initial_s ({poll_initial_s}) <= poll_max_s ({poll_max_s})")
         self.directory = directory
         self._poll = (poll_initial_s, poll_max_s)
-        options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+        processes = ocp.options.MultiprocessingOptions()
+        if process_local:  # this process alone: no barrier or broadcast with the others in listing or restoring
+            me = jax.process_index()
+            processes = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        options = ocp.CheckpointManagerOptions(
+            read_only=True, save_interval_steps=0, create=False, multiprocessing_options=processes
+        )
         self._manager = ocp.CheckpointManager(checkpoint_location(directory), options=options, item_handlers=_handler())
         self._closed = threading.Event()
         self._listed: frozenset[str] | None = None  # the local directory's names when Orbax last listed it

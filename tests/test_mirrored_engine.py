@@ -1,0 +1,181 @@
+"""One engine over two processes (`jax.distributed` on localhost, gloo, 2 CPU devices each; slots split
+across the processes, heads within each), driven by process 0's Generator through `MirroredEngine`,
+against the same engine in one process over 4 devices: the same tokens, log-probs and versions for the
+same requests, with a weight version restored from the store by each process and swapped in mid-stream
+(interrupting). Then process 1 is killed: process 0 notices and exits with the message that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
+from tests.engine_fixtures import tiny_model
+from tests.mirrored_engine_worker import generate_with_update, make_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _workers(mode: str, store: Path, out: Path) -> list[subprocess.Popen]:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    port = str(_free_port())
+    worker = str(ROOT / "tests" / "mirrored_engine_worker.py")
+    return [
+        subprocess.Popen(
+            [sys.executable, worker, mode, str(store), str(out), str(i), port],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _lines(process: subprocess.Popen) -> queue.Queue[str | None]:
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _wait_for(lines: queue.Queue[str | None], text: str, timeout_s: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not seen or text not in seen[-1]:
+        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        assert line is not None, f"ended before {text!r}:\n{''.join(seen)[-4000:]}"
+        seen.append(line)
+    return seen
+
+
+def test_engine_over_two_processes_matches_one_process_and_stops_on_a_lost_process(tmp_path: Path) -> None:
+    store = tmp_path / "weights"
+    publisher = OrbaxWeightPublisher(store, async_save=False)
+    for version in (0, 1):
+        publisher.publish(nnx.state(tiny_model(version)), version)
+    publisher.close()
+    out = tmp_path / "two.json"
+    leader, follower = _workers("generate", store, out)
+    lines = _lines(leader)
+
+    engine, target = make_engine(jax.devices()[:4])
+    reference = generate_with_update(engine, OrbaxWeightSubscriber(store), target)
+
+    _wait_for(lines, "generated", timeout_s=240)
+    os.kill(follower.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    said = "".join(_wait_for(lines, "lost:", timeout_s=30))
+    assert leader.wait(timeout=30) == 3
+    assert time.monotonic() - killed < 30
+    assert "process 1 of the rollout server is gone" in said
+    follower.wait(timeout=30)
+
+    two = json.loads(out.read_text())
+    assert len(two) == len(reference) == 6
+    for ours, theirs in zip(two, reference, strict=True):
+        assert ours["output_ids"] == theirs["output_ids"]
+        assert ours["output_versions"] == theirs["output_versions"]
+        assert ours["num_interruptions"] == theirs["num_interruptions"]
+        np.testing.assert_array_equal(ours["output_logprobs"], theirs["output_logprobs"])
+    versions = [set(row["output_versions"]) for row in reference]
+    assert {0, 1} in versions and any(row["num_interruptions"] == 1 for row in reference)  # swapped mid-stream
+
+
+SERVER_RUN = [
+    "configs/train_cpu.yaml",
+    "rollout.engine.max_slots=8",
+    "rollout.engine.max_prefill_batch=2",  # few engine programs to compile
+    "rollout.staleness.batch_prompts=4",
+    "rollout.staleness.max_head_offpolicyness=1",
+    "rollout.workflow.n_samples=2",
+    "dataset.heldout=0",
+    "cluster.weights_poll_s=0.05",
+    "cluster.status_every_s=0.2",
+]
+
+
+def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp_path: Path) -> None:
+    from areal_jax.config import load_experiment
+    from areal_jax.data.rollout_log import list_shards
+    from areal_jax.system.assembly import build_tokenizer, random_policy
+    from areal_jax.system.cluster import ControlFiles
+
+    cfg = load_experiment(SERVER_RUN[0], [*SERVER_RUN[1:], f"output_dir={tmp_path}", "name=run"])
+    control = ControlFiles(cfg.run_dir, 1)
+    control.clear()
+    publisher = OrbaxWeightPublisher(cfg.run_dir / "weights", async_save=False)
+    tokenizer = build_tokenizer(cfg)
+    publisher.publish(nnx.state(random_policy(cfg, None, tokenizer)), 0)
+    control.trainer_ready(0)  # the trainer stand-in: versions into the store, the control files
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *SERVER_RUN, f"output_dir={tmp_path}"]
+    command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
+    command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
+    servers = [
+        subprocess.Popen(
+            [*command, f"distributed.process_id={i}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    log = cfg.run_dir / "rollout_log"
+
+    def written() -> int:
+        return sum(shard.num_records for shard in list_shards(log)) if log.is_dir() else 0
+
+    def wait_until(predicate, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert all(s.poll() is None for s in servers), "a server process ended early"
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.1)
+
+    wait_until(lambda: written() >= 8 * 2, 240)  # the bound at v0: (1 + 0 + 1) x 4 groups of 2
+    publisher.publish(nnx.state(random_policy(cfg.replace(seed=1), None, tokenizer)), 1)
+    wait_until(lambda: written() >= 12 * 2, 120)  # admitted only once v1 is in use: (1 + 1 + 1) x 4
+    control.request_stop("test")
+    outputs = [server.communicate(timeout=60)[0] for server in servers]
+    publisher.close()
+    assert [server.returncode for server in servers] == [0, 0], outputs[1][-3000:] + outputs[0][-3000:]
+    for output in outputs:
+        assert '"ended_by": "stop"' in output
+        assert "loaded weights version 1" in output  # each process restored v1 by itself
+    assert json.loads(control.status_path(0).read_text())["pid"] == servers[0].pid
+    assert {shard.writer_id.rsplit("-", 1)[1] for shard in list_shards(log)} == {str(servers[0].pid)}
+    assert not list((cfg.run_dir / "control").glob("*.failed"))
