@@ -70,6 +70,9 @@ WORKLOAD = (
     "trainer.packing.min_row_length=128",  # one shape, [1, 14, 128], for nearly every step: no compilation later
     "cluster.weight_transfer=direct",  # a version reaches the server in milliseconds (the store: ~0.1 s)
     "cluster.weights_poll_s=0.01",
+    # the store's background write of every version took ~15% of the trainer's core at eta 4 (the trainer
+    # never waits, so the write lands in its steps; at eta 0 it hid in the wait): every tenth only
+    "cluster.direct_store_every=10",
     "pipeline.poll_max_s=0.02",  # the trainer sees a finished group within 20 ms (default: up to 0.5 s)
     "dataset.heldout=0",
     # one update per step, proximal log-probs interpolated (exact at eta 0): the train step halves (0.37 ->

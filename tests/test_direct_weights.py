@@ -250,6 +250,43 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+def test_the_store_gets_every_kth_version_and_a_later_server_catches_up_directly(tmp_path: Path) -> None:
+    """With store_every = 3 the store gets the trainer's first version and then one every third; a server
+    opened later starts from the newest stored version and takes the next offer directly."""
+    announcement = tmp_path / "announcement.json"
+    publisher = DirectWeightPublisher(
+        announcement, OrbaxWeightPublisher(tmp_path / "weights"), pullers=1, timeout_s=30, store_every=3
+    )
+    params = {v: source_params(jax.devices()[:2], v) for v in range(2, 9)}
+    target = abstract_target(params[2])
+    late = None
+    try:
+        for version in range(2, 8):
+            publisher.publish(params[version], version)
+        publisher.wait()
+        stored = OrbaxWeightSubscriber(tmp_path / "weights")
+        assert stored._versions() == [2, 5]  # the first, then 3 versions on; 6 and 7 only offered
+        late = DirectWeightSubscriber(announcement, stored, puller=0, timeout_s=30, poll_s=0.01)
+        assert late.latest_version() == 5  # version 7 was announced before it opened
+        first = late.load(5, target)
+        assert (first.version, first.source) == (5, "orbax")
+        publisher.publish(params[8], 8)  # 8 - 5 >= 3: stored too
+        assert late.wait_for_version(6, timeout_s=30) == 8
+        pulled = late.load(8, target)
+        assert (pulled.version, pulled.source, pulled.fell_back) == (8, "direct", False)
+        for name, leaf in params[8].items():
+            np.testing.assert_array_equal(as_bytes(pulled.params[name]), as_bytes(leaf))
+        publisher.wait()
+        assert stored._versions()[-1] == 8
+    finally:
+        publisher.close()
+        if late is not None:
+            late.close()
+    with pytest.raises(ConfigError) as info:
+        load_experiment(None, ["cluster.direct_store_every=4"])  # the store is the only path under orbax
+    assert info.value.key == "cluster.direct_store_every"
+
+
 def test_offers_nobody_pulls_are_freed_once_expired(tmp_path: Path) -> None:
     """Two pullers share one copy per version; versions offered and never pulled (superseded, or their
     server dead) hold their copy until the timeout, and are freed when the next version is offered."""

@@ -55,12 +55,29 @@ class ClusterConfig(Config):
         doc="direct: how long a version stays offered to a server that has not pulled it, and how long a "
         "pull may take before the server loads that version from the store",
     )
+    direct_store_every: int = option(
+        1,
+        ge=1,
+        doc="direct: a version goes into the store only once this many versions have passed since the last "
+        "stored one (the trainer's first is always stored). The store's background write costs trainer CPU "
+        "every step; what it buys is the version a (re)started server starts from (it catches up at the "
+        "next direct offer) and a failed pull's fallback, which then waits for the next stored version: keep "
+        "direct_timeout_s above this many steps",
+    )
     direct_host: str | None = option(
         None,
         doc="direct: the host name or IP each process's transfer server binds; every trainer process's must "
         "be reachable from every rollout server; null = the address of this host's name (keep null for a "
         "trainer over several hosts)",
     )
+
+    def validate(self) -> None:
+        if self.direct_store_every != 1 and self.weight_transfer != "direct":
+            raise ConfigError(
+                "direct_store_every",
+                f"is {self.direct_store_every} but weight_transfer is {self.weight_transfer!r}: the store is the "
+                "only weight path then, and every version goes into it (set weight_transfer: direct, or 1)",
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ def open_publisher(cfg: ExperimentConfig) -> OrbaxWeightPublisher | DirectWeight
         pullers=cluster.rollout_servers,
         timeout_s=cluster.direct_timeout_s,
         host=cluster.direct_host,
+        store_every=cluster.direct_store_every,
     )
 
 

@@ -134,7 +134,8 @@ def _deadline(seconds: float) -> datetime.datetime:
 
 
 class DirectWeightPublisher:
-    """Offers each version to `pullers` readers over the transfer server, then saves it into `durable`.
+    """Offers each version to `pullers` readers over the transfer server, then saves it into `durable`
+    (the first version, then one at least `store_every` versions after the last saved).
 
     With several trainer processes every process opens one and makes the same calls (`publish` is
     collective, as the store's is); process 0 alone writes and removes the announcement."""
@@ -147,11 +148,15 @@ class DirectWeightPublisher:
         pullers: int,
         timeout_s: float,
         host: str | None = None,
+        store_every: int = 1,
     ):
-        if pullers < 1 or timeout_s <= 0:
-            raise ValueError(f"need pullers >= 1 and timeout_s > 0, got {pullers} and {timeout_s}")
+        if pullers < 1 or timeout_s <= 0 or store_every < 1:
+            raise ValueError(
+                f"need pullers >= 1, timeout_s > 0 and store_every >= 1, got {pullers}, {timeout_s} and {store_every}"
+            )
         self.announcement, self.durable = announcement, durable
-        self.pullers, self.timeout_s = pullers, timeout_s
+        self.pullers, self.timeout_s, self.store_every = pullers, timeout_s, store_every
+        self._stored: int | None = None  # the last version this publisher saved into the store
         self._processes = TrainerProcesses()
         self._server = start_transfer_server(host)
         self._serial = itertools.count()
@@ -168,7 +173,9 @@ class DirectWeightPublisher:
         if newest is not None and version <= newest:
             raise ValueError(f"version {version} is not newer than the latest published version {newest}")
         self.serve(params, version)
-        self.durable.publish(params, version)
+        if self._stored is None or version - self._stored >= self.store_every:
+            self.durable.publish(params, version)
+            self._stored = version
 
     def serve(self, params: Any, version: int) -> Announcement:
         """Offer `params` as `version` to every puller and announce it (the direct half of `publish`)."""
