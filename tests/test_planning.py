@@ -106,6 +106,15 @@ def test_calibration_reads_a_split_run(tmp_path):
     assert (c.gen_tokens_per_sample, c.train_tokens_per_sample) == (24, 33)
 
 
+def test_calibration_counts_every_process_of_a_rollout_server(tmp_path):
+    """A rollout server over two hosts records one file per process (`rollout-0`, `rollout-0.1`): both count."""
+    _write_run(tmp_path / "two-hosts", rollout_cores=(1,))
+    record = {"host": "h2", "pid": 2, "platform": "cpu", "device_kind": "cpu", "devices": [0], "cores": [1]}
+    (tmp_path / "two-hosts" / "control" / "resources-rollout-0.1.json").write_text(json.dumps(record))
+    c = read_calibration(tmp_path / "two-hosts", skip=2)
+    assert (c.gen_units, c.train_units, c.colocated) == (2, 1, False)  # core 1 of host h and of host h2
+
+
 def test_calibration_takes_the_asked_quantile_of_the_steps(tmp_path):
     _write_run(tmp_path / "split")
     slowest = read_calibration(tmp_path / "split", skip=2, quantile=1.0)

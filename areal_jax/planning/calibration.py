@@ -138,7 +138,9 @@ def _sides(run_dir: Path, cfg: ExperimentConfig) -> tuple[Unit, int, int, bool]:
     trainers = (cfg.distributed.num_processes or 1) if cfg.distributed.enabled else 1
     roles = {
         "trainer": [f"trainer-{i}" for i in range(trainers)],
-        "rollout": [f"rollout-{i}" for i in range(cfg.cluster.rollout_servers)],
+        "rollout": [
+            name for i in range(cfg.cluster.rollout_servers) for name in resources.processes_of(records, f"rollout-{i}")
+        ],
     }
     missing = [role for names in roles.values() for role in names if role not in records]
     if missing:

@@ -1,8 +1,9 @@
 """What each role of a run computed on: `<run>/control/resources-<role>.json`, read by `areal-jax plan`.
 
 Every process of a run records its own share when it starts: the trainer's processes as `trainer-<process
-index>` (the devices of the trainer mesh local to that process), rollout server i as `rollout-<i>` (the
-one-process `train` records its inference mesh as `rollout-0`). A record holds the host, the platform and
+index>` (the devices of the trainer mesh local to that process), rollout server i as `rollout-<i>` and,
+over several processes, its process p > 0 as `rollout-<i>.<p>` (the one-process `train` records its
+inference mesh as `rollout-0`). A record holds the host, the platform and
 device kind, the device ids and the CPU cores the process may run on (`os.sched_getaffinity`, which
 `launch local` pins per role). On CPU the cores are what a role's speed depends on (XLA's CPU devices
 share the process's thread pool); elsewhere the devices are.
@@ -44,6 +45,18 @@ def record(run_dir: Path, role: str, devices: Iterable[jax.Device]) -> None:
 def record_mesh(run_dir: Path, role: str, mesh: jax.sharding.Mesh) -> None:
     """`record` for the devices of `mesh` that belong to this process."""
     record(run_dir, role, (d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+
+
+def rollout_role(server: int) -> str:
+    """The record name of this process of rollout server `server`: `rollout-<i>` (its process 0), or
+    `rollout-<i>.<p>` for process p of a server over several processes."""
+    process = jax.process_index()
+    return f"rollout-{server}" if process == 0 else f"rollout-{server}.{process}"
+
+
+def processes_of(records: dict[str, dict[str, Any]], role: str) -> list[str]:
+    """`role` and the records of its other processes (`role.<p>`) found among `records`."""
+    return [role, *sorted(name for name in records if name.startswith(f"{role}."))]
 
 
 def read_all(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -135,7 +135,7 @@ def _serve(
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     if isinstance(engine, MirroredEngine):
         subscriber = MirroredWeights(subscriber, engine)
-    resources.record(run_dir, f"rollout-{server}", jax.local_devices())
+    resources.record(run_dir, resources.rollout_role(server), jax.local_devices())
     try:
         first = subscriber.load(subscriber.latest_version(), target)
         params = engine.load_params(first.params, first.version)
@@ -248,7 +248,9 @@ def _follow(
     receiver: CommandReceiver,
     stop_event: threading.Event,
 ) -> RolloutServerSummary:
-    """A process > 0 of the server: carries out process 0's engine commands until its stop; writes nothing."""
+    """A process > 0 of the server: carries out process 0's engine commands until its stop; writes nothing
+    but the record of its devices (for `areal-jax plan`)."""
+    resources.record(cfg.run_dir, resources.rollout_role(server), jax.local_devices())
     subscriber: WeightSubscriber | None = None
     versions = 0
 
