@@ -25,9 +25,9 @@ from areal_jax.models.decoder import Decoder
 
 def continuous_vs_static(slots: int, count: int, cap: int, repeats: int) -> float:
     model = Decoder(QWEN2_3M, nnx.Rngs(0))
-    # prompts of 8-24 tokens: one prefill length bucket (32); the cache holds prompt + cap
+    # the cache holds a prompt (8-24 tokens) and `cap` new ones: fewer length buckets to compile than 2 x cap
     max_length = 1 << (24 + cap - 1).bit_length()
-    config = EngineConfig(max_slots=slots, max_length=max_length, min_prefill_bucket=32, max_prefill_batch=4)
+    config = EngineConfig(max_slots=slots, max_length=max_length, min_prefill_bucket=16, max_prefill_batch=8)
     engine = Engine(model, config)
     params = engine.load_params(nnx.state(model), 0)
     prompts = prompts_for(count, QWEN2_3M.vocab_size, seed=1)
