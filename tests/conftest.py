@@ -52,7 +52,7 @@ class CompileCounter:
 # first, so the two xdist workers (`--dist loadfile --no-loadscope-reorder` hands out files in collection
 # order; without the flag xdist reorders files by their number of tests) start on them and finish on short
 # files instead of one worker running a long file alone at the end.
-_LONG_FIRST = (  # by each file's total time in a full run (session 6, --durations): 170 s ... 45 s
+_LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --durations): 170 s ... ~40 s
     "test_async_rl.py",
     "test_recipes.py",
     "test_default_task.py",
@@ -61,6 +61,8 @@ _LONG_FIRST = (  # by each file's total time in a full run (session 6, --duratio
     "test_resume_prompts.py",
     "test_exact_resume.py",
     "test_failures.py",
+    "test_engine.py",
+    "test_mirrored_engine.py",
 )
 
 
