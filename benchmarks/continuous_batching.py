@@ -57,11 +57,11 @@ def continuous_vs_static(slots: int, count: int, cap: int, repeats: int) -> floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="8 slots, 160 requests (< 60 s on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="16 slots, 320 requests, cap 96 (< 60 s on 2 cores)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode (the best counts)")
     args = parser.parse_args()
     print(f"backend: {jax.default_backend()}")
-    slots, count, cap = (8, 160, 96) if args.quick else (16, 640, 192)
+    slots, count, cap = (16, 320, 96) if args.quick else (16, 640, 192)
     continuous_vs_static(slots, count, cap, args.repeats)
 
 
