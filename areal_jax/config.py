@@ -94,6 +94,17 @@ class ExperimentConfig(Config):
         ):
             if value is not None and value != expected:
                 raise ConfigError(f"pipeline.{key}", f"value {value} differs from {source}={expected}; leave it null")
+        eta = rollout.staleness.max_head_offpolicyness
+        if self.cluster.direct_store_every > eta + 1:
+            # a restarted server starts from the newest stored version, up to direct_store_every - 1 behind the
+            # trainer, and admits against it: beyond eta + 1 behind it could admit nothing while the trainer
+            # waits for its groups, and no new version (so no direct offer) would ever come
+            raise ConfigError(
+                "cluster.direct_store_every",
+                f"value {self.cluster.direct_store_every} exceeds rollout.staleness.max_head_offpolicyness + 1 = "
+                f"{eta + 1}: a restarted rollout server, starting from the newest stored version, could wait "
+                "forever for the trainer",
+            )
         longest_prompt = self.dataset.max_prompt_tokens + sampling.max_new_tokens
         if longest_prompt > rollout.engine.max_length:
             raise ConfigError(

@@ -68,9 +68,6 @@ WORKLOAD = (
     "trainer.packing.min_row_length=128",  # one shape, [1, 14, 128], for nearly every step: no compilation later
     "cluster.weight_transfer=direct",  # a version reaches the server in milliseconds (the store: ~0.1 s)
     "cluster.weights_poll_s=0.01",
-    # the store's background write of every version took ~15% of the trainer's core at eta 4 (the trainer
-    # never waits, so the write lands in its steps; at eta 0 it hid in the wait): every tenth only
-    "cluster.direct_store_every=10",
     "pipeline.poll_max_s=0.02",  # the trainer sees a finished group within 20 ms (default: up to 0.5 s)
     "dataset.heldout=0",
     # one update per step, proximal log-probs interpolated (exact at eta 0), the config's own model (hidden
@@ -193,6 +190,9 @@ def measure(run_dir: Path, steps: int) -> Measured:
 def distributed_run(eta: int, steps: int, root: Path, name: str, trainer_cores: int, extra: list[str]) -> Measured:
     overrides = [*WORKLOAD, *extra, f"output_dir={root}", f"name={name}", f"compilation_cache_dir={CACHE}"]
     overrides += [f"train_steps={steps}", f"rollout.staleness.max_head_offpolicyness={eta}"]
+    # the store's background write of every version took ~15% of the trainer's core at eta 4 (the trainer never
+    # waits, so the write lands in its steps; at eta 0 it hides in the wait): every (eta + 1)-th, the most allowed
+    overrides.append(f"cluster.direct_store_every={eta + 1}")
     launch = ["launch", "local", "--rollout", "1", "--trainer-cores", str(trainer_cores), str(CHAIN_SUMS)]
     run_cli([*launch, *overrides], root / f"{name}.log")
     return measure(root / name, steps)

@@ -285,6 +285,11 @@ def test_the_store_gets_every_kth_version_and_a_later_server_catches_up_directly
     with pytest.raises(ConfigError) as info:
         load_experiment(None, ["cluster.direct_store_every=4"])  # the store is the only path under orbax
     assert info.value.key == "cluster.direct_store_every"
+    direct = ["cluster.weight_transfer=direct", "rollout.staleness.max_head_offpolicyness=2"]
+    assert load_experiment(None, [*direct, "cluster.direct_store_every=3"]).cluster.direct_store_every == 3
+    with pytest.raises(ConfigError, match=r"exceeds rollout.staleness.max_head_offpolicyness \+ 1 = 3") as info:
+        load_experiment(None, [*direct, "cluster.direct_store_every=4"])  # a restarted server could wait forever
+    assert info.value.key == "cluster.direct_store_every"
 
 
 def test_offers_nobody_pulls_are_freed_once_expired(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ RUN = [
     "eval.every_steps=0",
     "cluster.status_every_s=0.2",
     "cluster.weight_transfer=direct",  # the steady state pulled directly; the restarted server starts from Orbax
+    f"cluster.direct_store_every={ETA + 1}",  # ... from a stored version up to eta behind, and catches up
 ]
 
 

@@ -59,10 +59,11 @@ class ClusterConfig(Config):
         1,
         ge=1,
         doc="direct: a version goes into the store only once this many versions have passed since the last "
-        "stored one (the trainer's first is always stored). The store's background write costs trainer CPU "
-        "every step; what it buys is the version a (re)started server starts from (it catches up at the "
-        "next direct offer) and a failed pull's fallback, which then waits for the next stored version: keep "
-        "direct_timeout_s above this many steps",
+        "stored one (the trainer's first is always stored); at most max_head_offpolicyness + 1. The store's "
+        "background write costs trainer CPU every step; what it buys is the version a (re)started server "
+        "starts from (it admits against that version and catches up at the next direct offer) and a failed "
+        "pull's fallback, which then waits for the next stored version: keep direct_timeout_s above this "
+        "many steps",
     )
     direct_host: str | None = option(
         None,
