@@ -152,6 +152,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         rollout_servers=args.rollout,
         trainer_cores=args.trainer_cores,
         trainer_processes=args.trainer_processes,
+        rollout_processes=args.rollout_processes,
         resume=args.resume,
         overwrite=args.overwrite,
     )
@@ -310,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_at_least_one,
         default=1,
         help="trainer processes (jax.distributed on localhost, one global mesh); they share the trainer's cores",
+    )
+    local.add_argument(
+        "--rollout-processes",
+        type=_at_least_one,
+        default=1,
+        help="processes per rollout server (one jax.distributed job per server, its engine over all of them; "
+        "restarted whole); they share the rollout cores",
     )
     _add_run_arguments(local)
     local.set_defaults(func=_cmd_launch)

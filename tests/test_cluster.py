@@ -10,7 +10,7 @@ import pytest
 
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager, server_share
 from areal_jax.system.cluster import ControlFiles, ResumePoint, owns_group, resume_point, server_group_ids
-from areal_jax.system.launcher import role_specs, share_cores, split_cores
+from areal_jax.system.launcher import role_specs, server_specs, share_cores, split_cores
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 5])
@@ -102,6 +102,28 @@ def test_a_trainer_over_several_processes_joins_one_coordinator_on_its_own_cores
     assert [s.cores for s in specs] == [frozenset({0}), frozenset({1, 2}), frozenset({3})]
     assert share_cores(frozenset({5}), 3) == [frozenset({5})] * 3  # fewer cores than processes: shared
     assert share_cores(frozenset(range(4)), 2) == [frozenset({0, 1}), frozenset({2, 3})]
+
+
+def test_a_rollout_server_over_several_processes_is_one_job_on_its_own_port() -> None:
+    specs = role_specs(["c.yaml"], 2, frozenset({0}), frozenset({1, 2}), rollout_processes=2, server_ports=[7, 8])
+    assert [s.name for s in specs] == ["trainer", "rollout0.0", "rollout0.1", "rollout1.0", "rollout1.1"]
+    for spec, (server, process) in zip(specs[1:], [(0, 0), (0, 1), (1, 0), (1, 1)], strict=True):
+        assert spec.argv[-9:] == (
+            "rollout",
+            "--server",
+            str(server),
+            "c.yaml",
+            "cluster.rollout_servers=2",
+            "distributed.enabled=true",
+            f"distributed.coordinator_address=127.0.0.1:{7 + server}",
+            "distributed.num_processes=2",
+            f"distributed.process_id={process}",
+        )
+    assert [s.cores for s in specs[1:3]] == [frozenset({1}), frozenset({2})]  # the rollout cores shared out
+    (single,) = server_specs(["c.yaml"], 1, 0, frozenset({1}))
+    assert (single.name, single.argv[-4:]) == ("rollout0", ("--server", "0", "c.yaml", "cluster.rollout_servers=1"))
+    with pytest.raises(ValueError, match="one coordinator port each"):
+        role_specs(["c.yaml"], 2, frozenset({0}), frozenset({1}), rollout_processes=2)
 
 
 def test_a_resumed_trainer_drops_the_weight_versions_of_its_lost_future(tmp_path: Path) -> None:

@@ -13,6 +13,10 @@ A trainer over M > 1 processes (`--trainer-processes M`) joins through `jax.dist
 port; `distributed.*` set on each command line), each process on its own share of the trainer's cores.
 Process 0 writes the ready marker. When one of them fails, the others cannot go on (every step is
 collective): they are sent SIGTERM, then killed after the grace period; continue with `--resume`.
+
+A rollout server over P > 1 processes (`--rollout-processes P`: one `jax.distributed` job per server, its
+engine's mesh over all of them, `docs/distributed.md`) is restarted whole: when one of its processes fails,
+the others are ended too and all P start again as a new job (a fresh coordinator port).
 """
 
 from __future__ import annotations
@@ -77,10 +81,14 @@ def role_specs(
     overwrite: bool = False,
     trainer_processes: int = 1,
     coordinator_port: int | None = None,
+    rollout_processes: int = 1,
+    server_ports: Sequence[int] | None = None,
 ) -> list[RoleSpec]:
-    """The trainer's processes (process 0 first), then each rollout server: `python -m areal_jax.cli <role>
+    """The trainer's processes (process 0 first), then each rollout server's: `python -m areal_jax.cli <role>
     CONFIG overrides`. One trainer process is named `trainer`; M > 1 are `trainer0..` and get the
-    `distributed.*` settings of a `jax.distributed` job coordinated on localhost:`coordinator_port`."""
+    `distributed.*` settings of a `jax.distributed` job coordinated on localhost:`coordinator_port`. Rollout
+    server i is `rollout<i>`, or with P > 1 `rollout_processes` the processes `rollout<i>.0..` of one job
+    coordinated on localhost:`server_ports[i]` (`server_specs`)."""
     base = (sys.executable, "-m", "areal_jax.cli")
     args = (*config_args, f"cluster.rollout_servers={rollout_servers}")
     trainer_flags = (*(("--resume",) if resume else ()), *(("--overwrite",) if overwrite else ()))
@@ -100,9 +108,40 @@ def role_specs(
             RoleSpec(f"trainer{i}", (*trainer, *distributed, f"distributed.process_id={i}"), cores[i])
             for i in range(trainer_processes)
         ]
+    if rollout_processes > 1 and (server_ports is None or len(server_ports) != rollout_servers):
+        raise ValueError("rollout servers over several processes need one coordinator port each")
     for server in range(rollout_servers):
-        specs.append(RoleSpec(f"rollout{server}", (*base, "rollout", "--server", str(server), *args), rollout_cores))
+        port = server_ports[server] if rollout_processes > 1 and server_ports is not None else None
+        specs.extend(server_specs(config_args, rollout_servers, server, rollout_cores, rollout_processes, port))
     return specs
+
+
+def server_specs(
+    config_args: Sequence[str],
+    rollout_servers: int,
+    server: int,
+    cores: frozenset[int],
+    processes: int = 1,
+    port: int | None = None,
+) -> list[RoleSpec]:
+    """Rollout server `server`: one process `rollout<i>` on `cores`, or `processes` > 1 processes
+    `rollout<i>.<p>` of one `jax.distributed` job on localhost:`port`, sharing `cores`."""
+    argv = (sys.executable, "-m", "areal_jax.cli", "rollout", "--server", str(server), *config_args)
+    argv = (*argv, f"cluster.rollout_servers={rollout_servers}")
+    if processes == 1:
+        return [RoleSpec(f"rollout{server}", argv, cores)]
+    if port is None:
+        raise ValueError("a rollout server over several processes needs a coordinator port")
+    distributed = (
+        "distributed.enabled=true",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        f"distributed.num_processes={processes}",
+    )
+    shares = share_cores(cores, processes)
+    return [
+        RoleSpec(f"rollout{server}.{p}", (*argv, *distributed, f"distributed.process_id={p}"), shares[p])
+        for p in range(processes)
+    ]
 
 
 def _child_setup(cores: frozenset[int]) -> None:
@@ -164,13 +203,14 @@ def launch_local(
     rollout_servers: int,
     trainer_cores: int | None = None,
     trainer_processes: int = 1,
+    rollout_processes: int = 1,
     resume: bool = False,
     overwrite: bool = False,
 ) -> int:
     """Run the roles until the trainer ends; the trainer's exit status (see the module docstring)."""
     available = sorted(os.sched_getaffinity(0))
     trainer_set, rollout_set = split_cores(available, trainer_cores or max(1, len(available) // 2))
-    specs = role_specs(
+    trainer_specs = role_specs(
         config_args,
         rollout_servers,
         trainer_set,
@@ -179,27 +219,32 @@ def launch_local(
         overwrite=overwrite,
         trainer_processes=trainer_processes,
         coordinator_port=_free_port() if trainer_processes > 1 else None,
-    )
-    trainer_specs, server_specs = specs[:trainer_processes], specs[trainer_processes:]
+    )[:trainer_processes]
+
+    def server(i: int) -> list[RoleSpec]:  # a fresh coordinator port at every (re)start of a multi-process one
+        port = _free_port() if rollout_processes > 1 else None
+        return server_specs(config_args, rollout_servers, i, rollout_set, rollout_processes, port)
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logger.info(
-        "launching %s; %s, rollout servers on cores %s",
-        ", ".join(s.name for s in specs),
+        "launching %s and %d rollout server(s) of %d process(es) on cores %s",
         ", ".join(f"{s.name} on cores {sorted(s.cores)}" for s in trainer_specs),
+        rollout_servers,
+        rollout_processes,
         sorted(rollout_set),
     )
     interrupted = threading.Event()
     control = ControlFiles(cfg.run_dir, rollout_servers)
-    children = {spec.name: _Child(spec, env) for spec in trainer_specs}
-    trainers = list(children.values())
+    trainers = [_Child(spec, env) for spec in trainer_specs]
+    servers: dict[int, list[_Child]] = {}
 
     def forward(signum: int, _frame: object) -> None:
         interrupted.set()
-        for child in children.values():
+        for child in [*trainers, *(c for group in servers.values() for c in group)]:
             child.signal(signal.SIGTERM)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    restarts = {spec.name: 0 for spec in server_specs}
+    restarts = dict.fromkeys(range(rollout_servers), 0)
     failure: tuple[int, float] | None = None  # a failed trainer process's exit status, when the others were told
     try:
         while any(trainer.poll() is None for trainer in trainers):
@@ -208,32 +253,41 @@ def launch_local(
                 failure = _end_with_a_failed_trainer_process(trainers, failure)
             if interrupted.is_set() or failure is not None:
                 continue
-            if len(children) == len(trainers):  # the servers start once the trainer has restored and published
+            if not servers:  # the servers start once the trainer has restored and published
                 ready = control.ready_trainer()
                 if ready is not None and ready.get("pid") == trainers[0].process.pid:
-                    children.update({spec.name: _Child(spec, env) for spec in server_specs})
+                    servers = {i: [_Child(spec, env) for spec in server(i)] for i in range(rollout_servers)}
                 continue
-            for spec in server_specs:
-                code = children[spec.name].poll()
-                if code is None or code == 0:
-                    continue  # running, or left cleanly (its prompts ran out)
-                if restarts[spec.name] >= cfg.cluster.restarts:
-                    if restarts[spec.name] == cfg.cluster.restarts:
-                        logger.error("%s exited %d; cluster.restarts=%d used up", spec.name, code, cfg.cluster.restarts)
-                        restarts[spec.name] += 1
+            for i, group in servers.items():
+                if not _server_failed(group):
                     continue
-                restarts[spec.name] += 1
+                if restarts[i] >= cfg.cluster.restarts:
+                    if restarts[i] == cfg.cluster.restarts:
+                        logger.error(
+                            "%s exited %s; cluster.restarts=%d used up",
+                            _names(group),
+                            _codes(group),
+                            cfg.cluster.restarts,
+                        )
+                        restarts[i] += 1
+                    continue
+                restarts[i] += 1
                 logger.warning(
-                    "%s exited %d; restarting it (%d of %d)", spec.name, code, restarts[spec.name], cfg.cluster.restarts
+                    "%s exited %s; restarting it (%d of %d)",
+                    _names(group),
+                    _codes(group),
+                    restarts[i],
+                    cfg.cluster.restarts,
                 )
-                children[spec.name] = _Child(spec, env)
+                _stop(group)  # a server over several processes restarts whole: a new job, all its processes
+                servers[i] = [_Child(spec, env) for spec in server(i)]
         codes = [trainer.wait() for trainer in trainers]
         code = failure[0] if failure is not None else next((c for c in codes if c != 0), 0)
-        servers = list(children.values())[len(trainers) :]
+        children = [child for group in servers.values() for child in group]
         if code != 0:  # no stop marker may have been written: stop the servers now
-            for child in servers:
+            for child in children:
                 child.signal(signal.SIGTERM)
-        for child in servers:
+        for child in children:
             if child.wait(_GRACE_S) is None:
                 logger.warning("%s did not stop within %.0f s; terminating it", child.spec.name, _GRACE_S)
                 child.signal(signal.SIGTERM)
@@ -245,9 +299,33 @@ def launch_local(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for child in children.values():
+        for child in [*trainers, *(c for group in servers.values() for c in group)]:
             if child.poll() is None:
                 child.signal(signal.SIGKILL)
+
+
+def _server_failed(group: list[_Child]) -> bool:
+    """Whether a process of the server exited with an error (running, or left cleanly: not failed)."""
+    return any(code not in (None, 0) for code in (child.poll() for child in group))
+
+
+def _stop(group: list[_Child]) -> None:
+    """End every process of a failed server (the others of a multi-process one exit by themselves once they
+    lose it; SIGTERM, then SIGKILL after the grace period)."""
+    for child in group:
+        child.signal(signal.SIGTERM)
+    for child in group:
+        if child.wait(_GRACE_S) is None:
+            child.signal(signal.SIGKILL)
+            child.wait()
+
+
+def _names(group: list[_Child]) -> str:
+    return group[0].spec.name if len(group) == 1 else "/".join(child.spec.name for child in group)
+
+
+def _codes(group: list[_Child]) -> str:
+    return ", ".join(str(child.poll()) for child in group)
 
 
 def _end_with_a_failed_trainer_process(
