@@ -87,9 +87,11 @@ def run(eta: int, steps: int, warmup: int, output_dir: str, extra: list[str]) ->
             f"name=e2e-eta{eta}",
             f"train_steps={steps}",
             f"rollout.staleness.max_head_offpolicyness={eta}",
+            f"compilation_cache_dir={output_dir}/xla_cache",  # the second run loads the first's programs
             *extra,
         ],
     )
+    enable_compilation_cache(cfg.compilation_cache_dir)  # as the CLI does (`run_async` leaves it to its caller)
     metrics = load_metrics(run_async(cfg).metrics_file)
     wall = np.array([m["time/wall"] for m in metrics])
     timed = metrics[warmup:]
@@ -118,7 +120,6 @@ def main() -> None:
     peaks = [measure_matmul_peak(1024, 5)]
     results = {}
     with tempfile.TemporaryDirectory() as output_dir:
-        enable_compilation_cache(Path(output_dir) / "xla_cache")  # the second run loads the first's programs
         for eta in (0, 2):
             results[eta] = run(eta, steps, warmup, output_dir, args.overrides)
         peaks.append(measure_matmul_peak(1024, 5))

@@ -10,7 +10,7 @@ import pytest
 
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager, server_share
 from areal_jax.system.cluster import ControlFiles, ResumePoint, owns_group, resume_point, server_group_ids
-from areal_jax.system.launcher import role_specs, server_specs, share_cores, split_cores
+from areal_jax.system.launcher import server_specs, share_cores, split_cores, trainer_specs
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 5])
@@ -80,17 +80,18 @@ def test_cores_are_split_between_roles() -> None:
 
 
 def test_role_command_lines() -> None:
-    specs = role_specs(["c.yaml", "seed=1"], 2, frozenset({0}), frozenset({1}), resume=True)
-    assert [s.name for s in specs] == ["trainer", "rollout0", "rollout1"]
-    assert specs[0].argv[-5:] == ("trainer", "--resume", "c.yaml", "seed=1", "cluster.rollout_servers=2")
-    assert specs[2].argv[-5:] == ("--server", "1", "c.yaml", "seed=1", "cluster.rollout_servers=2")
-    assert specs[1].cores == frozenset({1})
+    (trainer,) = trainer_specs(["c.yaml", "seed=1"], 2, frozenset({0}), resume=True)
+    servers = [spec for i in range(2) for spec in server_specs(["c.yaml", "seed=1"], 2, i, frozenset({1}))]
+    assert [s.name for s in (trainer, *servers)] == ["trainer", "rollout0", "rollout1"]
+    assert trainer.argv[-5:] == ("trainer", "--resume", "c.yaml", "seed=1", "cluster.rollout_servers=2")
+    assert servers[1].argv[-5:] == ("--server", "1", "c.yaml", "seed=1", "cluster.rollout_servers=2")
+    assert (trainer.cores, servers[0].cores) == (frozenset({0}), frozenset({1}))
 
 
 def test_a_trainer_over_several_processes_joins_one_coordinator_on_its_own_cores() -> None:
-    specs = role_specs(["c.yaml"], 1, frozenset({0, 1, 2}), frozenset({3}), trainer_processes=2, coordinator_port=9)
-    assert [s.name for s in specs] == ["trainer0", "trainer1", "rollout0"]
-    for i, spec in enumerate(specs[:2]):
+    specs = trainer_specs(["c.yaml"], 1, frozenset({0, 1, 2}), processes=2, port=9)
+    assert [s.name for s in specs] == ["trainer0", "trainer1"]
+    for i, spec in enumerate(specs):
         assert spec.argv[-6:] == (
             "c.yaml",
             "cluster.rollout_servers=1",
@@ -99,15 +100,17 @@ def test_a_trainer_over_several_processes_joins_one_coordinator_on_its_own_cores
             "distributed.num_processes=2",
             f"distributed.process_id={i}",
         )
-    assert [s.cores for s in specs] == [frozenset({0}), frozenset({1, 2}), frozenset({3})]
+    assert [s.cores for s in specs] == [frozenset({0}), frozenset({1, 2})]
     assert share_cores(frozenset({5}), 3) == [frozenset({5})] * 3  # fewer cores than processes: shared
     assert share_cores(frozenset(range(4)), 2) == [frozenset({0, 1}), frozenset({2, 3})]
+    with pytest.raises(ValueError, match="trainer over several processes needs a coordinator port"):
+        trainer_specs(["c.yaml"], 1, frozenset({0}), processes=2)
 
 
 def test_a_rollout_server_over_several_processes_is_one_job_on_its_own_port() -> None:
-    specs = role_specs(["c.yaml"], 2, frozenset({0}), frozenset({1, 2}), rollout_processes=2, server_ports=[7, 8])
-    assert [s.name for s in specs] == ["trainer", "rollout0.0", "rollout0.1", "rollout1.0", "rollout1.1"]
-    for spec, (server, process) in zip(specs[1:], [(0, 0), (0, 1), (1, 0), (1, 1)], strict=True):
+    specs = [spec for i in range(2) for spec in server_specs(["c.yaml"], 2, i, frozenset({1, 2}), 2, 7 + i)]
+    assert [s.name for s in specs] == ["rollout0.0", "rollout0.1", "rollout1.0", "rollout1.1"]
+    for spec, (server, process) in zip(specs, [(0, 0), (0, 1), (1, 0), (1, 1)], strict=True):
         assert spec.argv[-9:] == (
             "rollout",
             "--server",
@@ -119,11 +122,9 @@ def test_a_rollout_server_over_several_processes_is_one_job_on_its_own_port() ->
             "distributed.num_processes=2",
             f"distributed.process_id={process}",
         )
-    assert [s.cores for s in specs[1:3]] == [frozenset({1}), frozenset({2})]  # the rollout cores shared out
-    (single,) = server_specs(["c.yaml"], 1, 0, frozenset({1}))
-    assert (single.name, single.argv[-4:]) == ("rollout0", ("--server", "0", "c.yaml", "cluster.rollout_servers=1"))
-    with pytest.raises(ValueError, match="one coordinator port each"):
-        role_specs(["c.yaml"], 2, frozenset({0}), frozenset({1}), rollout_processes=2)
+    assert [s.cores for s in specs[:2]] == [frozenset({1}), frozenset({2})]  # the rollout cores shared out
+    with pytest.raises(ValueError, match="rollout0 over several processes needs a coordinator port"):
+        server_specs(["c.yaml"], 1, 0, frozenset({1}), 2)
 
 
 def test_a_resumed_trainer_drops_the_weight_versions_of_its_lost_future(tmp_path: Path) -> None:

@@ -71,49 +71,21 @@ def share_cores(cores: frozenset[int], processes: int) -> list[frozenset[int]]:
     return [frozenset(ordered[bounds[i] : bounds[i + 1]]) for i in range(processes)]
 
 
-def role_specs(
+def trainer_specs(
     config_args: Sequence[str],
     rollout_servers: int,
-    trainer_cores: frozenset[int],
-    rollout_cores: frozenset[int],
+    cores: frozenset[int],
     *,
     resume: bool = False,
     overwrite: bool = False,
-    trainer_processes: int = 1,
-    coordinator_port: int | None = None,
-    rollout_processes: int = 1,
-    server_ports: Sequence[int] | None = None,
+    processes: int = 1,
+    port: int | None = None,
 ) -> list[RoleSpec]:
-    """The trainer's processes (process 0 first), then each rollout server's: `python -m areal_jax.cli <role>
-    CONFIG overrides`. One trainer process is named `trainer`; M > 1 are `trainer0..` and get the
-    `distributed.*` settings of a `jax.distributed` job coordinated on localhost:`coordinator_port`. Rollout
-    server i is `rollout<i>`, or with P > 1 `rollout_processes` the processes `rollout<i>.0..` of one job
-    coordinated on localhost:`server_ports[i]` (`server_specs`)."""
-    base = (sys.executable, "-m", "areal_jax.cli")
-    args = (*config_args, f"cluster.rollout_servers={rollout_servers}")
-    trainer_flags = (*(("--resume",) if resume else ()), *(("--overwrite",) if overwrite else ()))
-    trainer = (*base, "trainer", *trainer_flags, *args)
-    if trainer_processes == 1:
-        specs = [RoleSpec("trainer", trainer, trainer_cores)]
-    else:
-        if coordinator_port is None:
-            raise ValueError("a trainer over several processes needs a coordinator port")
-        distributed = (
-            "distributed.enabled=true",
-            f"distributed.coordinator_address=127.0.0.1:{coordinator_port}",
-            f"distributed.num_processes={trainer_processes}",
-        )
-        cores = share_cores(trainer_cores, trainer_processes)
-        specs = [
-            RoleSpec(f"trainer{i}", (*trainer, *distributed, f"distributed.process_id={i}"), cores[i])
-            for i in range(trainer_processes)
-        ]
-    if rollout_processes > 1 and (server_ports is None or len(server_ports) != rollout_servers):
-        raise ValueError("rollout servers over several processes need one coordinator port each")
-    for server in range(rollout_servers):
-        port = server_ports[server] if rollout_processes > 1 and server_ports is not None else None
-        specs.extend(server_specs(config_args, rollout_servers, server, rollout_cores, rollout_processes, port))
-    return specs
+    """The trainer, `python -m areal_jax.cli trainer CONFIG overrides`: one process `trainer`, or `processes`
+    > 1 processes `trainer0..` (process 0 first) of one `jax.distributed` job on localhost:`port`."""
+    flags = (*(("--resume",) if resume else ()), *(("--overwrite",) if overwrite else ()))
+    argv = (sys.executable, "-m", "areal_jax.cli", "trainer", *flags, *config_args)
+    return _job("trainer", "", (*argv, f"cluster.rollout_servers={rollout_servers}"), cores, processes, port)
 
 
 def server_specs(
@@ -124,14 +96,22 @@ def server_specs(
     processes: int = 1,
     port: int | None = None,
 ) -> list[RoleSpec]:
-    """Rollout server `server`: one process `rollout<i>` on `cores`, or `processes` > 1 processes
-    `rollout<i>.<p>` of one `jax.distributed` job on localhost:`port`, sharing `cores`."""
+    """Rollout server `server`: one process `rollout<i>`, or `processes` > 1 processes `rollout<i>.<p>` of
+    one `jax.distributed` job on localhost:`port`."""
     argv = (sys.executable, "-m", "areal_jax.cli", "rollout", "--server", str(server), *config_args)
     argv = (*argv, f"cluster.rollout_servers={rollout_servers}")
+    return _job(f"rollout{server}", ".", argv, cores, processes, port)
+
+
+def _job(
+    name: str, separator: str, argv: tuple[str, ...], cores: frozenset[int], processes: int, port: int | None
+) -> list[RoleSpec]:
+    """One process `name` on `cores`, or `processes` > 1 processes `name<separator><p>` sharing `cores`, each
+    with the `distributed.*` settings of one job coordinated on localhost:`port`."""
     if processes == 1:
-        return [RoleSpec(f"rollout{server}", argv, cores)]
+        return [RoleSpec(name, argv, cores)]
     if port is None:
-        raise ValueError("a rollout server over several processes needs a coordinator port")
+        raise ValueError(f"{name} over several processes needs a coordinator port")
     distributed = (
         "distributed.enabled=true",
         f"distributed.coordinator_address=127.0.0.1:{port}",
@@ -139,7 +119,7 @@ def server_specs(
     )
     shares = share_cores(cores, processes)
     return [
-        RoleSpec(f"rollout{server}.{p}", (*argv, *distributed, f"distributed.process_id={p}"), shares[p])
+        RoleSpec(f"{name}{separator}{p}", (*argv, *distributed, f"distributed.process_id={p}"), shares[p])
         for p in range(processes)
     ]
 
@@ -210,16 +190,16 @@ def launch_local(
     """Run the roles until the trainer ends; the trainer's exit status (see the module docstring)."""
     available = sorted(os.sched_getaffinity(0))
     trainer_set, rollout_set = split_cores(available, trainer_cores or max(1, len(available) // 2))
-    trainer_specs = role_specs(
+    trainers_port = _free_port() if trainer_processes > 1 else None
+    trainer_roles = trainer_specs(
         config_args,
         rollout_servers,
         trainer_set,
-        rollout_set,
         resume=resume,
         overwrite=overwrite,
-        trainer_processes=trainer_processes,
-        coordinator_port=_free_port() if trainer_processes > 1 else None,
-    )[:trainer_processes]
+        processes=trainer_processes,
+        port=trainers_port,
+    )
 
     def server(i: int) -> list[RoleSpec]:  # a fresh coordinator port at every (re)start of a multi-process one
         port = _free_port() if rollout_processes > 1 else None
@@ -228,14 +208,14 @@ def launch_local(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     logger.info(
         "launching %s and %d rollout server(s) of %d process(es) on cores %s",
-        ", ".join(f"{s.name} on cores {sorted(s.cores)}" for s in trainer_specs),
+        ", ".join(f"{s.name} on cores {sorted(s.cores)}" for s in trainer_roles),
         rollout_servers,
         rollout_processes,
         sorted(rollout_set),
     )
     interrupted = threading.Event()
     control = ControlFiles(cfg.run_dir, rollout_servers)
-    trainers = [_Child(spec, env) for spec in trainer_specs]
+    trainers = [_Child(spec, env) for spec in trainer_roles]
     servers: dict[int, list[_Child]] = {}
 
     def forward(signum: int, _frame: object) -> None:

@@ -64,8 +64,9 @@ class MirroredEngine:
         self._sender = sender
         self._lock = threading.Lock()
         self._next_handle = itertools.count()
-        self._handles: dict[int, int] = {}  # id of a live device object -> its handle
-        self._released: collections.deque[int] = collections.deque()  # appended by finalizers, any thread
+        self._handles: dict[int, int] = {}  # id of a live device object -> its handle (under the lock only)
+        # (id, handle) of collected objects: appended by finalizers on any thread, drained under the lock
+        self._released: collections.deque[tuple[int, int]] = collections.deque()
         self._complete = completes_each_call(engine)
         self.commands = 0
         self.command_seconds = 0.0  # time spent encoding and sending commands
@@ -174,7 +175,10 @@ class MirroredEngine:
     def _encode(self, op: str, handle: int | None, args: Sequence[Any]) -> bytes:
         released = []
         while self._released:
-            released.append(self._released.popleft())
+            key, old = self._released.popleft()
+            if self._handles.get(key) == old:  # not yet taken by a newer object with the same id
+                del self._handles[key]
+            released.append(old)
         return msgpack.packb([op, handle, list(args), released], use_bin_type=True)
 
     def _register(self, value: Any, handle: int) -> Any:
@@ -184,11 +188,9 @@ class MirroredEngine:
         return value
 
     def _release(self, key: int, handle: int) -> None:
-        # Runs when `value` is collected, on any thread (maybe inside a command): no lock here. Its id is
-        # free for reuse only after this returns, so no newer object's entry can be dropped.
-        if self._handles.get(key) == handle:
-            del self._handles[key]
-        self._released.append(handle)
+        # Runs when `value` is collected, on any thread (maybe inside a command, holding the lock): it only
+        # queues the release; `_encode`, under the lock, drops the entry and tells the followers.
+        self._released.append((key, handle))
 
     def _handle(self, value: Any) -> int:
         try:
