@@ -58,6 +58,7 @@ def _trainer(tmp_path: Path, name: str, devices: int, *args: str) -> subprocess.
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
+        "PYTHONFAULTHANDLER": "1",  # a process ended by JAX's coordination service prints where it was
     }
     flags = [a for a in args if a.startswith("--")]  # before the config: argparse ends `rest` at a flag
     command = [sys.executable, "-m", "areal_jax.cli", "trainer", *flags, *RUN]
@@ -102,11 +103,16 @@ def _write_groups_when_ready(run_dir: Path, trainer: subprocess.Popen, groups: r
 
 
 def _finish(processes: list[subprocess.Popen]) -> list[str]:
-    outputs = []
-    for process in processes:
-        output, _ = process.communicate(timeout=600)
-        assert process.returncode == 0, output[-4000:]
-        outputs.append(output)
+    """Every process's output once all have ended; on a failure, every process's tail (the first one to
+    fail is often not the one that reports it)."""
+    outputs = [process.communicate(timeout=600)[0] for process in processes]
+    codes = [process.returncode for process in processes]
+    if any(codes):
+        tails = (
+            f"--- process {i} (exit {code}):\n{out[-3000:]}"
+            for i, (code, out) in enumerate(zip(codes, outputs, strict=True))
+        )
+        raise AssertionError("\n".join(tails))
     return outputs
 
 

@@ -197,7 +197,9 @@ def test_rewards_run_off_the_generator_thread(generator):
 
 
 def test_cancelled_run_aborts_its_request_and_the_generator_goes_on(generator):
-    config = WorkflowConfig(n_samples=2, sampling=SamplingParams(temperature=1.0, max_new_tokens=100, seed=5))
+    # No stop token: a sample the random model ended with eos before the abort arrived would finish "stop".
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=100, seed=5)
+    config = WorkflowConfig(n_samples=2, sampling=sampling, stop_at_tokenizer_stops=False)
 
     async def scenario() -> GenerationResult:
         run = asyncio.create_task(workflow.run(generator, _task("cancelled"), group_id=0))
