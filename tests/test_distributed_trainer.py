@@ -109,7 +109,7 @@ def _finish(processes: list[subprocess.Popen]) -> list[str]:
     codes = [process.returncode for process in processes]
     if any(codes):
         tails = (
-            f"--- process {i} (exit {code}):\n{out[-3000:]}"
+            f"--- process {i} (exit {code}):\n{out[-6000:]}"
             for i, (code, out) in enumerate(zip(codes, outputs, strict=True))
         )
         raise AssertionError("\n".join(tails))
