@@ -62,8 +62,10 @@ WORKLOAD = [
     "rollout.workflow.stop_at_tokenizer_stops=false",
     # the proximal pass is skipped, as the FLOP count assumes: exact at eta 0, AReaL's interpolation at eta 2
     "trainer.ppo.prox_logp_method=loglinear",
-    # PackingConfig's defaults: the trainer picks each step's [rows, length] bucket itself
-    "trainer.packing.token_budget=8192",
+    # The trainer picks each step's [rows, length] bucket itself; the cap keeps a micro-batch near 1k tokens:
+    # on CPU one of 5k tokens spills each layer's [tokens, 2F] activations out of the cache (train step
+    # 0.91 -> 0.72 s on this workload with 1k; docs/benchmarks.md)
+    "trainer.packing.token_budget=1024",
     "trainer.packing.rows=8",
     "train_checkpoint.every_steps=100000",  # no checkpoint inside the timing
     "report.plots=false",
