@@ -69,8 +69,15 @@ def engine_vs_ceiling(repeats: int) -> float:
     print(f"hf_generate_throughput: {hf_tps:.1f} tokens/s")
     print(f"engine_flops_fraction_of_peak: {engine_flops / peak:.3f} fraction")
     # A target above the ceiling is out of reach for any XLA engine on this machine.
-    floor_tps = SEQUENCES / weight_matmul_floor_seconds(cfg, SEQUENCES)
+    decode_floor = weight_matmul_floor_seconds(cfg, SEQUENCES)
+    floor_tps = SEQUENCES / decode_floor
     print(f"weight_matmul_floor_throughput: {floor_tps:.1f} tokens/s")
+    # The ceiling leaves out the prompts, which any engine must also run through the weights: with the
+    # prefill's weight matmuls counted too (all prompt tokens as one matmul batch) the workload's bound is
+    prefill_floor = weight_matmul_floor_seconds(cfg, SEQUENCES * PROMPT_TOKENS)
+    workload_floor = NEW_TOKENS * decode_floor + prefill_floor
+    print(f"prefill_share_of_workload_floor: {prefill_floor / workload_floor:.2f} fraction")
+    print(f"engine_vs_workload_floor: {workload_floor / engine_seconds:.2f} x")
     print(f"ceiling_engine_vs_hf: {floor_tps / hf_tps:.2f} x")
     print(f"ratio engine_vs_hf: {engine_tps / hf_tps:.2f}")
     ratio = engine_tps / floor_tps
