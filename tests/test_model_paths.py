@@ -11,6 +11,7 @@ from flax import nnx
 from areal_jax.models.attention import xla_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.layers import gated_projection
 from tests.engine_fixtures import cached_keys
 
 CFG = ModelConfig(
@@ -156,6 +157,27 @@ def test_remat_and_unrolled_layers_keep_value_and_gradient():
         np.testing.assert_allclose(v1, v0, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_projection_gradient_equals_autodiff_of_the_formula_also_tensor_sharded():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 6, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((16, 2, 24)) * 0.3, jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal((4, 6, 24)), jnp.float32)
+
+    def formula(x, kernel):  # the plain fused form, differentiated by JAX
+        gate_up = jnp.einsum("btd,dcf->btcf", x, kernel)
+        return jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+
+    expected_out, expected_vjp = jax.vjp(formula, x, kernel)
+    expected = expected_vjp(d_out)
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    split_f = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "tensor"))
+    for placed in (kernel, jax.device_put(kernel, split_f)):  # F split over `tensor` as the sharding rules do
+        out, vjp = jax.jit(lambda x, k: jax.vjp(gated_projection, x, k))(x, placed)
+        np.testing.assert_allclose(out, expected_out, rtol=1e-6, atol=1e-6)
+        for got, want in zip(jax.jit(vjp)(d_out), expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_compute_is_close_to_fp32():
