@@ -7,7 +7,9 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import xla_flags
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))  # subprocesses inherit it unless a test sets its own
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax

@@ -27,6 +27,7 @@ from safetensors.numpy import load_file
 from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
 from areal_jax.system.async_rl import load_metrics
 from tests.rollout_log_worker import make_trajectory
+from tests.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS, SAMPLES, VOCAB = 4, 2, 27  # per step; the char tokenizer's vocabulary (configs/train_cpu.yaml)
@@ -55,7 +56,7 @@ def _trainer(tmp_path: Path, name: str, devices: int, *args: str) -> subprocess.
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
         "PYTHONFAULTHANDLER": "1",  # a process ended by JAX's coordination service prints where it was

@@ -13,13 +13,14 @@ import pytest
 
 from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
 from tests.rollout_log_worker import make_trajectory
+from tests.xla_flags import xla_flags
 
 K = 3
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(log_dir, ckpt_dir, out, total, kill_after):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(1)}
     return subprocess.run(
         [
             sys.executable,

@@ -24,6 +24,7 @@ from flax import nnx
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
 from tests.engine_fixtures import tiny_model
 from tests.mirrored_engine_worker import generate_with_update, make_engine
+from tests.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def _free_port() -> int:
 def _workers(mode: str, store: Path, out: Path) -> list[subprocess.Popen]:
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
@@ -139,7 +140,7 @@ def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp
     publisher.publish(nnx.state(random_policy(cfg, None, tokenizer)), 0)
     control.trainer_ready(0)  # the trainer stand-in: versions into the store, the control files
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *SERVER_RUN, f"output_dir={tmp_path}"]
     command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
     command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]

@@ -22,6 +22,7 @@ from areal_jax.sharding import MeshConfig, make_mesh, state_shardings
 from areal_jax.trainer.checkpoint import CheckpointConfig, TrainCheckpointer, rng_from_json, rng_to_json
 from areal_jax.weights import abstract_target
 from tests.weights_worker import TINY
+from tests.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +120,7 @@ def test_sigint_requests_a_save_and_a_second_one_interrupts(tmp_path: Path) -> N
 def test_sigterm_saves_exits_cleanly_and_the_checkpoint_restores(tmp_path: Path) -> None:
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }

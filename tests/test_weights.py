@@ -26,6 +26,7 @@ from areal_jax.sharding import MeshConfig, make_mesh, split_devices, state_shard
 from areal_jax.weights import InProcessPublisher, OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
 from tests.conftest import CompileCounter
 from tests.weights_worker import TINY, big_params, flat
+from tests.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "weights_worker.py")
@@ -34,7 +35,7 @@ WORKER = str(ROOT / "tests" / "weights_worker.py")
 def worker_env(devices: int) -> dict[str, str]:
     return {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }
