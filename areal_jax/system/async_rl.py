@@ -564,7 +564,8 @@ class _TrainingRun:
         )
 
     def _save_now(self) -> None:
-        if self.checkpointer.latest_step() != self.trainer.version and not self.processes.share(self.rollouts.failed()):
+        due = self.checkpointer.latest_step() != self.trainer.version and not self.rollouts.failed()
+        if self.processes.share(due):  # process 0 decides: every process takes part in the save, or none does
             arrays = {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
             self.checkpointer.save(self.trainer.version, arrays, self._checkpoint_metadata(), wait=True)
 
