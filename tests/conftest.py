@@ -1,6 +1,7 @@
-"""Test-wide JAX settings: 8 virtual CPU devices, strict rank promotion, and a compilation cache for
-this session (many tests build the same small programs on fresh engines; a cache hit still counts as a
-backend compilation event, so the compile-count tests see every program)."""
+"""Test-wide JAX settings: 8 virtual CPU devices, XLA:CPU kernels at LLVM level 0 (tests/xla_flags.py),
+strict rank promotion, and a compilation cache for this session (many tests build the same small programs
+on fresh engines; a cache hit still counts as a backend compilation event, so the compile-count tests see
+every program)."""
 
 import atexit
 import os
