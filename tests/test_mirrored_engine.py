@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -44,15 +45,13 @@ def _workers(mode: str, store: Path, out: Path) -> list[subprocess.Popen]:
     }
     port = str(_free_port())
     worker = str(ROOT / "tests" / "mirrored_engine_worker.py")
+    return _start_two(lambda i: [sys.executable, worker, mode, str(store), str(out), str(i), port], env)
+
+
+def _start_two(command: Callable[[int], list[str]], env: dict[str, str]) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a two-process program, their output merged and piped."""
     return [
-        subprocess.Popen(
-            [sys.executable, worker, mode, str(store), str(out), str(i), port],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        subprocess.Popen(command(i), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
 
@@ -144,17 +143,7 @@ def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp
     command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *SERVER_RUN, f"output_dir={tmp_path}"]
     command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
     command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
-    servers = [
-        subprocess.Popen(
-            [*command, f"distributed.process_id={i}"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    servers = _start_two(lambda i: [*command, f"distributed.process_id={i}"], env)
     log = cfg.run_dir / "rollout_log"
 
     def written() -> int:
