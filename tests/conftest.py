@@ -7,7 +7,11 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
+import pytest
+
+from tests.gcs_emulator import GcsEmulator
 from tests.xla_flags import xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))  # subprocesses inherit it unless a test sets its own
@@ -75,3 +79,21 @@ def pytest_collection_modifyitems(items: list) -> None:
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+
+
+@pytest.fixture(scope="session")
+def gcs() -> Iterator[GcsEmulator]:
+    """A local GCS server (one per test worker) that gcsfs and TensorStore in this process and its children
+    talk to: gs://{BUCKET}/... works as on GCS."""
+    emulator = GcsEmulator()
+    saved = {key: os.environ.get(key) for key in emulator.env}
+    emulator.apply()
+    try:
+        yield emulator
+    finally:
+        emulator.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -44,6 +44,7 @@ from typing import Any
 import grain
 from grain.experimental import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 
+from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.rollout_log import (
     TMP_PREFIX,
@@ -53,6 +54,7 @@ from areal_jax.data.rollout_log import (
     list_shards,
     read_positions,
     read_shard,
+    shard_ages,
 )
 from areal_jax.data.trajectory import Trajectory
 
@@ -146,6 +148,7 @@ class RolloutLogIterator(grain.DatasetIterator):
         self._entries: collections.deque[LogEntry] = collections.deque()
         self._problems = 0
         self._pending: dict[str, collections.deque[ShardName]] = {}  # from the last directory listing
+        self._ages: dict[str, int] = {}  # shard name -> commit time, from the same listing
         self._gap_since: dict[str, float] = {}
 
     @property
@@ -210,7 +213,8 @@ class RolloutLogIterator(grain.DatasetIterator):
     def _refresh(self) -> None:
         """List the directory: per writer, its committed shards not yet consumed, in sequence order."""
         pending: dict[str, collections.deque[ShardName]] = {}
-        for shard in list_shards(self._ds.directory):
+        self._ages = shard_ages(self._ds.directory)
+        for shard in sorted(filter(None, map(ShardName.parse, self._ages))):
             if shard.shard_seq >= self._next_shard.get(shard.writer_id, 0):
                 pending.setdefault(shard.writer_id, collections.deque()).append(shard)
         self._pending = pending
@@ -241,13 +245,7 @@ class RolloutLogIterator(grain.DatasetIterator):
         if not candidates:
             return None
 
-        def age(shard: ShardName) -> tuple[int, str]:
-            try:
-                return os.stat(os.path.join(self._ds.directory, shard.name)).st_mtime_ns, shard.name
-            except FileNotFoundError:
-                return 0, shard.name
-
-        chosen = min(candidates, key=age)
+        chosen = min(candidates, key=lambda shard: (self._ages.get(shard.name, 0), shard.name))
         self._pending[chosen.writer_id].popleft()
         return chosen
 
@@ -584,13 +582,13 @@ def set_aside_unread(
     for shard in list_shards(directory):
         if shard == current or shard.shard_seq < next_shard.get(shard.writer_id, 0):
             continue
-        os.makedirs(into, exist_ok=True)
-        os.replace(os.path.join(directory, shard.name), os.path.join(into, shard.name))
+        storage.move(storage.join(directory, shard.name), storage.join(into, shard.name))
         moved, records = moved + 1, records + shard.num_records
     temporaries = 0
-    for leftover in Path(directory).glob(f"{TMP_PREFIX}*"):
-        leftover.unlink(missing_ok=True)
-        temporaries += 1
+    if not storage.is_remote(directory):  # a GCS writer's temporary files are on its own host
+        for leftover in Path(directory).glob(f"{TMP_PREFIX}*"):
+            leftover.unlink(missing_ok=True)
+            temporaries += 1
     unread: set[int] = set()
     if current is not None:
         entries, _ = read_shard(directory, current, int(log["record"]))

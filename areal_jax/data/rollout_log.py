@@ -23,11 +23,11 @@ Record format (format version 1): one msgpack map per ArrayRecord record
    "reward_components": {str: float}, "timings": {str: float}, "metadata": {str: msgpack value}}
 Arrays are stored little-endian with their dtype. A reader refuses a newer format or schema version.
 
-Storage. ArrayRecord 0.8.6 writes through a local file descriptor only (`ArrayRecordWriter` on a gs://
-path reports not-ok), while its reader can open gs:// objects directly (riegeli's GCS reader). For a GCS
-run directory a writer would commit locally and upload the finished file to its final object name (a
-GCS upload is atomic: the object appears only when complete), and readers would list the bucket prefix;
-this module implements the local directory only and refuses gs:// paths.
+Storage. The directory may be local or a gs:// URL (`areal_jax.storage`). ArrayRecord 0.8.6 writes through a
+local file descriptor only, so on GCS a writer writes the shard to a local temporary file and uploads it
+to its final object name (an object appears only once its upload is complete: readers still see whole
+shards only), refusing to replace an existing one; readers list the prefix and read a shard from a local
+download of it.
 
 Corruption. ArrayRecord checksums every chunk. A shard that cannot be opened (truncated, bad footer) is
 reported with its file name and the reason and skipped whole; a record whose chunk or payload does not
@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 import uuid
@@ -51,6 +52,7 @@ import msgpack
 import numpy as np
 from array_record.python import array_record_module
 
+from areal_jax import storage
 from areal_jax.configuration import Config, option
 from areal_jax.data.trajectory import SCHEMA_VERSION, Trajectory
 
@@ -207,13 +209,29 @@ def decode_record(data: bytes) -> tuple[str, int, float, Trajectory]:
     return record["writer"], record["seq"], record["appended_at"], trajectory
 
 
-def _local_dir(directory: str | os.PathLike[str]) -> Path:
-    if str(directory).startswith("gs://"):
-        raise ValueError(
-            f"rollout log directory {directory}: gs:// is not supported (ArrayRecord writes local files only); "
-            "use a local directory"
-        )
-    return Path(directory)
+def _shard_location(directory: str | os.PathLike[str], name: str) -> str:
+    return storage.join(directory, name)
+
+
+class _LocalCopy:
+    """A shard as a local file to open: the file itself, or a downloaded copy deleted on exit."""
+
+    def __init__(self, directory: str | os.PathLike[str], name: str):
+        self.location = _shard_location(directory, name)
+        self.path = Path(self.location)
+        self._download: str | None = None
+
+    def __enter__(self) -> Path:
+        if not storage.is_remote(self.location):
+            return self.path
+        handle, self._download = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=SHARD_SUFFIX)
+        os.close(handle)
+        storage.download(self.location, self._download)
+        return Path(self._download)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._download is not None:
+            Path(self._download).unlink(missing_ok=True)
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -226,12 +244,13 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
 
 def list_shards(directory: str | os.PathLike[str]) -> list[ShardName]:
     """Committed shards in `directory`, sorted by writer id then shard sequence (commit order per writer)."""
-    path = _local_dir(directory)
-    if not path.is_dir():
-        return []
-    with os.scandir(path) as entries:
-        shards = [ShardName.parse(entry.name) for entry in entries]
+    shards = [ShardName.parse(name) for name in storage.names(directory)]
     return sorted(s for s in shards if s is not None)
+
+
+def shard_ages(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """Shard file name -> its modification time (ns): when each committed shard appeared."""
+    return {name: mtime for name, (is_dir, mtime) in storage.listing(directory).items() if not is_dir}
 
 
 class RolloutLogWriter:
@@ -249,7 +268,8 @@ class RolloutLogWriter:
             raise ValueError(
                 f"writer id {writer_id!r} must be 1-64 letters, digits or '-', starting with a letter or digit"
             )
-        self.directory = _local_dir(directory)
+        self.directory = str(directory)
+        self.remote = storage.is_remote(directory)
         self.writer_id = writer_id
         self.config = config or RolloutLogConfig()
         self._clock = clock
@@ -257,10 +277,13 @@ class RolloutLogWriter:
         self._buffer: list[bytes] = []
         self._oldest: float | None = None
         self._closed = False
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(f"{TMP_PREFIX}{writer_id}_*"):
-            logger.warning("removing uncommitted shard %s left by an earlier run of writer %s", stale.name, writer_id)
-            stale.unlink(missing_ok=True)
+        storage.make_dirs(self.directory)
+        if not self.remote:  # on GCS the temporary files are local to the writer's host
+            for stale in Path(self.directory).glob(f"{TMP_PREFIX}{writer_id}_*"):
+                logger.warning(
+                    "removing uncommitted shard %s left by an earlier run of writer %s", stale.name, writer_id
+                )
+                stale.unlink(missing_ok=True)
         own = [s for s in list_shards(self.directory) if s.writer_id == writer_id]
         self._next_shard = own[-1].shard_seq + 1 if own else 0
         self._next_record = own[-1].first_record + own[-1].num_records if own else 0
@@ -321,6 +344,17 @@ class RolloutLogWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _publish(self, tmp: Path, final: str) -> None:
+        """Make the finished temporary shard visible under its final name, whole, never over another."""
+        if self.remote:
+            storage.upload(tmp, final, exclusive=True)
+            return
+        if self.config.fsync:
+            _fsync_path(tmp)
+        os.link(tmp, final)  # FileExistsError rather than replacing a shard
+        if self.config.fsync:
+            _fsync_path(Path(self.directory), directory=True)
+
     def _due(self) -> bool:
         return self._oldest is not None and self._clock() - self._oldest >= self.config.max_age_s
 
@@ -329,8 +363,9 @@ class RolloutLogWriter:
             return None
         started = time.perf_counter()
         shard = ShardName(self.writer_id, self._next_shard, self._next_record - len(self._buffer), len(self._buffer))
-        tmp = self.directory / f"{TMP_PREFIX}{self.writer_id}_{shard.shard_seq:08d}_{uuid.uuid4().hex}{SHARD_SUFFIX}"
-        final = self.directory / shard.name
+        temporary_name = f"{TMP_PREFIX}{self.writer_id}_{shard.shard_seq:08d}_{uuid.uuid4().hex}{SHARD_SUFFIX}"
+        tmp = Path(tempfile.gettempdir() if self.remote else self.directory) / temporary_name
+        final = storage.join(self.directory, shard.name)
         writer = array_record_module.ArrayRecordWriter(str(tmp), self.config.array_record_options)
         for record in self._buffer:
             writer.write(record)
@@ -339,19 +374,15 @@ class RolloutLogWriter:
             tmp.unlink(missing_ok=True)
             raise OSError(f"ArrayRecord writer failed on {tmp}")
         writer.close()
-        if self.config.fsync:
-            _fsync_path(tmp)
+        nbytes = tmp.stat().st_size
         try:
-            os.link(tmp, final)
+            self._publish(tmp, final)
         except FileExistsError:
-            tmp.unlink(missing_ok=True)
             raise FileExistsError(
                 f"shard {final} already exists: is another live writer using writer id {self.writer_id!r}?"
             ) from None
-        tmp.unlink()
-        if self.config.fsync:
-            _fsync_path(self.directory, directory=True)
-        nbytes = final.stat().st_size
+        finally:
+            tmp.unlink(missing_ok=True)
         logger.debug(
             "committed %s: %d records, %d bytes in %.3f s",
             shard.name,
@@ -419,7 +450,14 @@ def read_shard(
 ) -> tuple[list[LogEntry], list[ReadProblem]]:
     """The readable records of `shard` from index `start` on, and what could not be read (reported)."""
     problems: list[ReadProblem] = []
-    reader, reason = _open_reader(_local_dir(directory) / shard.name)
+    with _LocalCopy(directory, shard.name) as local:
+        return _read_local_shard(local, shard, start, problems)
+
+
+def _read_local_shard(
+    path: Path, shard: ShardName, start: int, problems: list[ReadProblem]
+) -> tuple[list[LogEntry], list[ReadProblem]]:
+    reader, reason = _open_reader(path)
     if reader is None:
         _report(ReadProblem(shard.name, None, reason), problems)
         return [], problems
@@ -476,17 +514,17 @@ def read_positions(directory: str | os.PathLike[str], positions: Iterable[tuple[
     for name, index in positions:
         by_shard.setdefault(name, []).append(index)
     found: dict[tuple[str, int], LogEntry] = {}
-    path = _local_dir(directory)
     for name, indices in by_shard.items():
         shard = ShardName.parse(name)
         if shard is None:
             raise ValueError(f"{name!r} is not a rollout-log shard name")
-        reader, reason = _open_reader(path / name)
-        if reader is None:
-            raise OSError(f"rollout-log shard {path / name}: {reason}")
-        try:
-            for index, data in zip(indices, reader.read(indices), strict=True):
-                found[(name, index)] = _entry(shard, index, data)
-        finally:
-            reader.close()
+        with _LocalCopy(directory, name) as local:
+            reader, reason = _open_reader(local)
+            if reader is None:
+                raise OSError(f"rollout-log shard {_shard_location(directory, name)}: {reason}")
+            try:
+                for index, data in zip(indices, reader.read(indices), strict=True):
+                    found[(name, index)] = _entry(shard, index, data)
+            finally:
+                reader.close()
     return [found[position] for position in positions]
