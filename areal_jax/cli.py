@@ -329,10 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--calibration",
-        type=Path,
+        type=str,
         action="append",
         default=[],
-        help="a finished run's directory (repeatable: runs on other device counts or topologies add measurements)",
+        help="a finished run's directory, local or gs:// (repeatable: runs on other device counts or topologies "
+        "add measurements)",
     )
     plan.add_argument(
         "--calibrate",
@@ -376,11 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", parents=[debug], help="evaluate a checkpoint (pass@1, avg@k, pass@k) on datasets")
     evaluate.add_argument(
         "--checkpoint",
-        type=Path,
+        type=str,
         required=True,
-        help="an HF checkpoint directory, or a run directory of `train` (its hf_final/, else its newest checkpoint)",
+        help="an HF checkpoint directory, or a run directory of `train` (its hf_final/, else its newest "
+        "checkpoint); local or gs://",
     )
-    evaluate.add_argument("--output", type=Path, help="directory of eval.json and eval.md; default <checkpoint>/eval")
+    evaluate.add_argument(
+        "--output", type=str, help="directory of eval.json and eval.md (local or gs://); default <checkpoint>/eval"
+    )
     evaluate.add_argument(
         "rest", nargs="*", help="[config.yaml] [section.key=value ...]; default config: the run's config.yaml"
     )
@@ -414,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a user mistake ends in one line on stderr and `EXIT_USER_ERROR` (with --debug: its
     traceback), any other exception propagates with its traceback."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("jax", "absl", "orbax"):
+    for noisy in ("jax", "absl", "orbax", "fsspec", "gcsfs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     from areal_jax.system.async_rl import RunFailed

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
+from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, load, option
 from areal_jax.data.pipeline import PipelineConfig
 from areal_jax.data.tasks import TaskDataConfig
@@ -37,7 +38,12 @@ class ExperimentConfig(Config):
     """A whole run: where the model comes from, how devices are arranged, what to do."""
 
     name: str = option("demo", doc="run name; outputs go to <output_dir>/<name>")
-    output_dir: str = option("runs", doc="root directory of run outputs")
+    output_dir: str = option("runs", doc="root directory of run outputs: a local path or gs://bucket/path")
+    local_copy_dir: str = option(
+        "~/.cache/areal-jax/runs",
+        doc="where a run whose output_dir is gs:// keeps the local copy of its records (metrics, logs, "
+        "TensorBoard, plots, evaluations), uploaded as they change",
+    )
     seed: int = option(0, ge=0, doc="seed of parameter init, data order and sampling")
     tokenizer: str | None = option(
         None, doc="'char' (synthetic tasks) or a directory with tokenizer.json; null = hf_checkpoint's, else 'char'"
@@ -140,7 +146,17 @@ class ExperimentConfig(Config):
         )
 
     @property
+    def run_location(self) -> str:
+        """The run directory: a local path, or a gs:// URL (what crosses between processes and hosts lives
+        here: checkpoints, weight versions, the rollout log, control files, the marker and config)."""
+        return storage.join(self.output_dir, self.name)
+
+    @property
     def run_dir(self) -> Path:
+        """Where this process writes the run's records: the run directory itself, or for a gs:// run its
+        local copy below `local_copy_dir` (uploaded by `system.run_mirror`)."""
+        if storage.is_remote(self.output_dir):
+            return Path(self.local_copy_dir).expanduser() / self.run_location.replace("://", "/", 1)
         return Path(self.output_dir) / self.name
 
 

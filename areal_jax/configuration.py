@@ -19,6 +19,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from areal_jax import storage
+
 C = TypeVar("C", bound="Config")
 
 _MISSING = dataclasses.MISSING
@@ -290,9 +292,28 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 BASE_KEY = "base"
 
 
+def _read_remote_yaml(location: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(storage.read_text(location))
+    except OSError as err:
+        raise ConfigError("", f"cannot read config file {location!r}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError("", f"{location}: not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{location}: top level must be a mapping, got {type(data).__name__}")
+    if BASE_KEY in data:
+        raise ConfigError(BASE_KEY, f"{location}: a config on gs:// cannot name a base file; flatten it")
+    return data
+
+
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML mapping. A top-level `base: other.yaml` (relative to this file) is read first and this
-    file's keys are merged over it, section by section."""
+    file's keys are merged over it, section by section. A gs:// file is read too (a run's own config.yaml,
+    which has no base)."""
+    if storage.is_remote(path):
+        return _read_remote_yaml(str(path))
     path = Path(path)
     if path.resolve() in _seen:
         raise ConfigError(BASE_KEY, f"{path}: the base chain comes back to itself ({' -> '.join(map(str, _seen))})")

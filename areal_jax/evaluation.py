@@ -29,10 +29,13 @@ table.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import dataclasses
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,6 +48,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, option, to_dict
 from areal_jax.data.datasets import DatasetConfig, PromptRecord, load_prompts
 from areal_jax.data.tasks import drop_long_prompts
@@ -282,8 +286,13 @@ class EvalReport:
             console.width = max(console.width, Measurement.get(console, unbounded, table).maximum)
         console.print(table)
 
-    def write(self, directory: str | Path) -> tuple[Path, Path]:
-        """Write `eval.json` and `eval.md` into `directory` (created); returns their paths."""
+    def write(self, directory: str | Path) -> tuple[str | Path, str | Path]:
+        """Write `eval.json` and `eval.md` into `directory` (created; local or gs://); returns their paths."""
+        if storage.is_remote(directory):
+            json_location, md_location = storage.join(directory, "eval.json"), storage.join(directory, "eval.md")
+            storage.write_atomic(json_location, json.dumps(self.as_json(), indent=1) + "\n")
+            storage.write_atomic(md_location, self.markdown())
+            return json_location, md_location
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         json_path, md_path = directory / "eval.json", directory / "eval.md"
@@ -377,19 +386,19 @@ class CheckpointSource:
     """What `areal-jax eval --checkpoint PATH` evaluates: an HF directory (`hf_dir`) or training checkpoint
     `step` of the run `run_dir`; `run_dir` is also set for a run's `hf_final/` (its config is the default)."""
 
-    path: Path
-    hf_dir: Path | None
-    run_dir: Path | None
+    path: str | Path  # what was asked for (a gs:// URL stays one)
+    hf_dir: Path | None  # local: an HF checkpoint on gs:// is evaluated from a downloaded copy
+    run_dir: str | Path | None
     step: int | None
 
     @property
-    def config_file(self) -> Path | None:
+    def config_file(self) -> str | None:
         """The run's `config.yaml`, when the checkpoint belongs to a run."""
-        return self.run_dir / "config.yaml" if self.run_dir is not None else None
+        return storage.join(self.run_dir, "config.yaml") if self.run_dir is not None else None
 
     @property
-    def default_output(self) -> Path:
-        return self.path / "eval"
+    def default_output(self) -> str:
+        return storage.join(self.path, "eval")
 
     def describe(self) -> str:
         if self.hf_dir is not None:
@@ -400,7 +409,9 @@ class CheckpointSource:
 def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     """An HF checkpoint directory (config.json), or a run directory (config.yaml, written by `areal-jax
     train`): its newest training checkpoint (an `hf_final/` may predate a resumed run's later steps), else
-    its `hf_final/`."""
+    its `hf_final/`. Either may be on gs://."""
+    if storage.is_remote(path):
+        return _resolve_remote_checkpoint(str(path))
     path = Path(path)
     if not path.is_dir():
         raise CheckpointSourceError(f"checkpoint {str(path)!r} does not exist or is not a directory")
@@ -417,6 +428,32 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     if (path / "hf_final" / "config.json").is_file():
         return CheckpointSource(path, path / "hf_final", path, None)
     raise CheckpointSourceError(f"run directory {str(path)!r} has neither a training checkpoint nor hf_final/")
+
+
+def _resolve_remote_checkpoint(location: str) -> CheckpointSource:
+    """`resolve_checkpoint` of a gs:// location; an HF checkpoint is copied to a local directory (the HF
+    loader reads local files) that lives as long as this process."""
+
+    def local_copy(hf_location: str) -> Path:
+        local = Path(tempfile.mkdtemp(prefix="areal-jax-eval-"))
+        atexit.register(shutil.rmtree, local, True)
+        storage.download_tree(hf_location, local)
+        return local
+
+    if storage.exists(storage.join(location, "config.json")):
+        parent = storage.parent_of(location)
+        run_dir = parent if storage.exists(storage.join(parent, "config.yaml")) else None
+        return CheckpointSource(location, local_copy(location), run_dir, None)
+    if not storage.exists(storage.join(location, "config.yaml")):
+        raise CheckpointSourceError(
+            f"{location!r} is neither an HF checkpoint directory (no config.json) nor a run directory (no config.yaml)"
+        )
+    step = TrainCheckpointer.latest_in(storage.join(location, "checkpoints"))
+    if step is not None:
+        return CheckpointSource(location, None, location, step)
+    if storage.exists(storage.join(location, "hf_final", "config.json")):
+        return CheckpointSource(location, local_copy(storage.join(location, "hf_final")), location, None)
+    raise CheckpointSourceError(f"run directory {location!r} has neither a training checkpoint nor hf_final/")
 
 
 def restore_trained_params(directory: str | Path, params: nnx.State, step: int) -> tuple[nnx.State, dict[str, Any]]:
@@ -505,7 +542,9 @@ def check_eval_length(cfg: ExperimentConfig) -> None:
         )
 
 
-def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | Path) -> tuple[EvalReport, Path, Path]:
+def run_eval(
+    cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | Path
+) -> tuple[EvalReport, str | Path, str | Path]:
     """`areal-jax eval`: load the checkpoint onto the inference mesh, evaluate it on `cfg.eval`'s prompts
     with `cfg`'s workflow and reward, and write the report into `output_dir`."""
     # imported here, not at the top: assembly imports areal_jax.config, which imports this module for EvalConfig
@@ -518,7 +557,7 @@ def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | 
     model = load_policy(cfg, mesh, tokenizer)
     version = 0
     if source.step is not None:
-        checkpoints = source.path / "checkpoints"
+        checkpoints = storage.join(source.path, "checkpoints")
         params, metadata = restore_trained_params(checkpoints, nnx.state(model), source.step)
         nnx.update(model, params)
         version = int(metadata.get("version", source.step))

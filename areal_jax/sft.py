@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, option, to_dict
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.models.decoder import Decoder
@@ -175,16 +176,20 @@ def settings(cfg: Any) -> dict[str, Any]:
 
 
 def cached_warm_start(cfg: Any) -> Path | None:
-    """The HF checkpoint of the run's warm start when one with the config's settings is cached, else None."""
-    directory = cfg.run_dir / WARM_START_DIR
+    """The HF checkpoint of the run's warm start when one with the config's settings is cached, else None.
+    On a gs:// run the cache is on the bucket: its checkpoint is copied into the local copy first."""
+    location = storage.join(cfg.run_location, WARM_START_DIR)
     try:
-        summary = json.loads((directory / SUMMARY_FILE).read_text())
+        summary = json.loads(storage.read_text(storage.join(location, SUMMARY_FILE)))
     except (OSError, ValueError):
         return None
     if summary.get("settings") != json.loads(json.dumps(settings(cfg))):
-        logger.warning("the warm start in %s was trained with other settings; training it again", directory)
+        logger.warning("the warm start in %s was trained with other settings; training it again", location)
         return None
-    return directory / CHECKPOINT_DIR
+    local = cfg.run_dir / WARM_START_DIR / CHECKPOINT_DIR
+    if storage.is_remote(location):
+        storage.download_tree(storage.join(location, CHECKPOINT_DIR), local)
+    return local
 
 
 def run_warm_start(cfg: Any, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -222,6 +227,10 @@ def run_warm_start(cfg: Any, tokenizer: Tokenizer) -> dict[str, Any]:
         "heldout_after": after,
     }
     (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    if storage.is_remote(cfg.run_location):  # the summary last: it marks the cached warm start complete
+        location = storage.join(cfg.run_location, WARM_START_DIR)
+        storage.upload_tree(directory / CHECKPOINT_DIR, storage.join(location, CHECKPOINT_DIR))
+        storage.upload(directory / SUMMARY_FILE, storage.join(location, SUMMARY_FILE))
     logger.info(
         "warm start: %d steps in %.1f s, loss %.3f -> %.3f; held-out greedy exact %.3f -> %.3f, sampled exact "
         "%.3f -> %.3f (%d prompts)",

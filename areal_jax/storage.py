@@ -8,11 +8,12 @@ own; the trainer's records (metrics, logs, TensorBoard) go through a local worki
 What each operation promises on both kinds of location:
 - `write_atomic`: readers see the old content or the new, never a part. Locally a temporary file renamed
   over the target; on GCS one upload (an object appears only when its upload completes).
-- `upload`: a local file becomes `location` whole (the same reason); it refuses to replace an existing
-  object when `exclusive`.
-- listings are fresh: GCS listings are strongly consistent, and the filesystem is opened without fsspec's
-  listing cache (a cached listing would hide what another process wrote after it, for as long as this
-  process lives).
+- `upload`: a local file becomes `location` whole (the same reason); with `exclusive` it refuses to
+  replace an existing object (checked just before the upload: it catches a second writer of the same
+  name, not a race between two at the same instant).
+- listings are fresh: GCS listings are strongly consistent, and no gs:// filesystem of this process keeps
+  fsspec's listing cache (set at import, for etils/Orbax too): a cached listing would hide what another
+  process wrote after it, for as long as this process lives.
 - `move` is atomic locally; on GCS it is a copy then a delete, so a crash in between leaves the object in
   both places (callers make moving again harmless).
 """
@@ -26,7 +27,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from fsspec import config as fsspec_config
+
 Location = str | os.PathLike[str]
+
+# No listing cache for any gs:// filesystem fsspec makes in this process, ours or the one etils.epath (and so
+# Orbax) uses: a cached listing hides what other processes wrote after it (a rollout server would never see
+# a new weight version; tests/test_gcs_run.py). Set at import, before any of them is made.
+for _protocol in ("gs", "gcs"):
+    fsspec_config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
 
 REMOTE_SCHEMES = ("gs://",)
 
@@ -59,8 +68,7 @@ def _gcs() -> Any:
         import gcsfs  # noqa: F401  (fsspec finds it by the protocol name)
     except ImportError as err:  # pragma: no cover - gcsfs is in requirements.txt
         raise ImportError("a gs:// run directory needs gcsfs (pip install -r requirements.txt)") from err
-    # skip_instance_cache: our own instance, whatever others (etils, Orbax) configured on theirs
-    return fsspec.filesystem("gs", use_listings_cache=False, skip_instance_cache=True)
+    return fsspec.filesystem("gs", use_listings_cache=False)
 
 
 def _remote_path(location: Location) -> str:
@@ -211,3 +219,26 @@ def download(location: Location, local_file: Location) -> None:
     temporary = target.with_name(f".{target.name}.{os.getpid()}.part")
     _gcs().get_file(_remote_path(location), os.fspath(temporary))
     os.replace(temporary, target)
+
+
+def files_below(location: Location) -> list[str]:
+    """The relative paths ('a/b.json') of every file below directory `location`, sorted."""
+    found = []
+    for name, (directory, _) in listing(location).items():
+        if directory:
+            found.extend(f"{name}/{below}" for below in files_below(join(location, name)))
+        else:
+            found.append(name)
+    return sorted(found)
+
+
+def upload_tree(local_dir: Location, location: Location) -> None:
+    """Copy every file below local directory `local_dir` to the same relative path below `location`."""
+    for relative in files_below(local_dir):
+        upload(os.path.join(local_dir, relative), join(location, relative))
+
+
+def download_tree(location: Location, local_dir: Location) -> None:
+    """Copy every file below remote directory `location` to the same relative path below `local_dir`."""
+    for relative in files_below(location):
+        download(join(location, relative), os.path.join(local_dir, relative))

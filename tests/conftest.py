@@ -65,6 +65,7 @@ _LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --dura
     "test_default_task.py",
     "test_distributed_trainer.py",
     "test_launch.py",
+    "test_gcs_run.py",
     "test_resume_prompts.py",
     "test_exact_resume.py",
     "test_failures.py",

@@ -1,5 +1,5 @@
-"""A local GCS server for tests (`gcp-storage-emulator`, in-memory): what gcsfs and TensorStore talk to
-when a test sets the environment `GcsEmulator.env` gives, in its own process and its children."""
+"""A local GCS server for tests (gcp-storage-emulator in memory, started by tests/gcs_emulator_server.py):
+what gcsfs and TensorStore talk to in a process (and its children) with the environment `GcsEmulator.env`."""
 
 from __future__ import annotations
 
@@ -23,22 +23,9 @@ class GcsEmulator:
     def __init__(self) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        server = os.path.join(os.path.dirname(__file__), "gcs_emulator_server.py")
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gcp_storage_emulator",
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--in-memory",
-                "--default-bucket",
-                BUCKET,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            [sys.executable, server, str(self.port), BUCKET], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 30
         while True:

@@ -166,6 +166,6 @@ def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp
     for output in outputs:
         assert '"ended_by": "stop"' in output
         assert "loaded weights version 1" in output  # each process restored v1 by itself
-    assert json.loads(control.status_path(0).read_text())["pid"] == servers[0].pid
+    assert json.loads(Path(control.status_path(0)).read_text())["pid"] == servers[0].pid
     assert {shard.writer_id.rsplit("-", 1)[1] for shard in list_shards(log)} == {str(servers[0].pid)}
     assert not list((cfg.run_dir / "control").glob("*.failed"))

@@ -4,6 +4,7 @@ computed by hand, and the refusals of bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -104,6 +105,19 @@ def test_calibration_reads_a_split_run(tmp_path):
     assert c.handoff_s == pytest.approx(0.5 - 64 * 24 / 15360)
     assert c.step_s == pytest.approx(2.0)
     assert (c.gen_tokens_per_sample, c.train_tokens_per_sample) == (24, 33)
+
+
+def test_calibration_reads_a_run_on_a_bucket_as_on_a_disk(tmp_path, gcs):
+    from areal_jax import storage
+    from tests.gcs_emulator import BUCKET
+
+    _write_run(tmp_path / "split")
+    remote = f"gs://{BUCKET}/{tmp_path.name}/split"
+    storage.upload_tree(tmp_path / "split", remote)
+    local, bucket = read_calibration(tmp_path / "split", skip=2), read_calibration(remote, skip=2)
+    assert dataclasses.replace(bucket, run_dir=local.run_dir) == local
+    with pytest.raises(CalibrationError, match="not a directory"):
+        read_calibration(f"gs://{BUCKET}/{tmp_path.name}/nothing")
 
 
 def test_calibration_counts_every_process_of_a_rollout_server(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_jax import storage
 from areal_jax.cli import EXIT_RESUMABLE, EXIT_USER_ERROR, main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError, to_yaml
@@ -268,3 +269,30 @@ def test_internal_errors_keep_their_traceback_and_a_signal_stop_is_resumable(tmp
 
     monkeypatch.setattr(async_rl, "run_async", stopped)
     assert main(["train", CONFIG, f"output_dir={tmp_path}", NO_CACHE]) == EXIT_RESUMABLE == 75
+
+
+def test_a_run_directory_on_a_bucket_is_checked_and_overwritten_the_same_way(gcs):
+    from tests.gcs_emulator import BUCKET
+
+    output_dir = f"gs://{BUCKET}/{os.urandom(8).hex()}"
+    cfg = load_experiment(CONFIG, [f"output_dir={output_dir}", "name=run"])
+    run = cfg.run_location
+    assert run == f"{output_dir}/run" and not str(cfg.run_dir).startswith("gs:")  # records: a local copy
+    prepare_run_dir(cfg, resume=False, overwrite=False, latest_checkpoint=None)
+    assert storage.names(run) == [MARKER, "config.yaml"]
+    assert storage.read_text(storage.join(run, "config.yaml")) == to_yaml(cfg)
+    for name in ("rollout_log/w_00000000_000000000000_1.arrayrecord", "metrics.jsonl", "checkpoints/3/x", "notes.txt"):
+        storage.write_atomic(storage.join(run, name), "x")
+    with pytest.raises(RunDirectoryError, match=r"earlier run \(checkpoints, rollout_log, metrics.jsonl\)"):
+        prepare_run_dir(cfg, resume=False, overwrite=False, latest_checkpoint=None)
+    changed = load_experiment(CONFIG, [f"output_dir={output_dir}", "name=run", "seed=7"])
+    with pytest.raises(RunDirectoryError, match=r"differs from the run's gs://.*seed: 0 -> 7"):
+        prepare_run_dir(changed, resume=True, overwrite=False, latest_checkpoint=3)
+    prepare_run_dir(cfg, resume=False, overwrite=True, latest_checkpoint=None)
+    assert storage.names(run) == [MARKER, "config.yaml", "notes.txt"]  # the user's file stays
+
+    storage.remove(storage.join(run, MARKER))
+    storage.write_atomic(storage.join(run, "metrics.jsonl"), "x")
+    with pytest.raises(RunDirectoryError, match=r"has no \.areal-run marker.*notes\.txt.*nothing was deleted"):
+        prepare_run_dir(cfg, resume=False, overwrite=True, latest_checkpoint=None)
+    assert storage.names(run) == ["config.yaml", "metrics.jsonl", "notes.txt"]

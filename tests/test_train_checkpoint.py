@@ -105,12 +105,14 @@ def test_sigint_requests_a_save_and_a_second_one_interrupts(tmp_path: Path) -> N
     checkpointer.install_signal_handlers([signal.SIGINT])
     try:
         assert not checkpointer.maybe_save(1, {"x": jnp.ones(2)}, {})
-        os.kill(os.getpid(), signal.SIGINT)
+        # raise_signal: to this (the main) thread, so the handler has run when it returns; os.kill may land
+        # on another thread of the process (JAX's, gcsfs's), and the main thread runs the handler a little later
+        signal.raise_signal(signal.SIGINT)
         assert checkpointer.stop_requested
         assert checkpointer.maybe_save(2, {"x": jnp.full(2, 2.0)}, {"policy_version": 2})
         assert checkpointer.latest_step() == 2
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
     finally:
         checkpointer.close()
     assert signal.getsignal(signal.SIGINT) is previous

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from areal_jax import storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import to_dict
 from areal_jax.system import resources
@@ -52,7 +53,7 @@ class CalibrationError(Exception):
 class Calibration:
     """One run's measured speeds. Rates are of a whole side (all its units together)."""
 
-    run_dir: Path
+    run_dir: str | Path
     unit: Unit
     gen_units: int
     train_units: int
@@ -102,13 +103,13 @@ def read_calibration(run_dir: str | Path, skip: int | None = None, quantile: flo
     (default: a quarter, at least 2), each per-step time taken at `quantile` over the steady steps."""
     if not 0 < quantile <= 1:
         raise ValueError(f"quantile {quantile} is not in (0, 1]")
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    run_dir = str(run_dir) if storage.is_remote(run_dir) else Path(run_dir)
+    if not storage.is_dir(run_dir):
         raise CalibrationError(f"{run_dir} is not a directory (expected the directory of a finished run)")
-    config_path = run_dir / CONFIG_FILE
-    if not config_path.is_file():
+    config_path = storage.join(run_dir, CONFIG_FILE)
+    if not storage.exists(config_path):
         raise CalibrationError(f"{run_dir} has no {CONFIG_FILE}: not the directory of an areal-jax run")
-    cfg = load_experiment(config_path)
+    cfg = load_experiment(config_path)  # local or gs://
     unit, gen_units, train_units, colocated = _sides(run_dir, cfg)
     eta = cfg.rollout.staleness.max_head_offpolicyness
     if colocated and eta > 0:
@@ -132,7 +133,7 @@ def read_calibration(run_dir: str | Path, skip: int | None = None, quantile: flo
     )
 
 
-def _sides(run_dir: Path, cfg: ExperimentConfig) -> tuple[Unit, int, int, bool]:
+def _sides(run_dir: str | Path, cfg: ExperimentConfig) -> tuple[Unit, int, int, bool]:
     """(unit, generation units, training units, colocated) from the roles' resource records."""
     records = resources.read_all(run_dir)
     trainers = (cfg.distributed.num_processes or 1) if cfg.distributed.enabled else 1
@@ -155,11 +156,13 @@ def _sides(run_dir: Path, cfg: ExperimentConfig) -> tuple[Unit, int, int, bool]:
     return unit, len(used["rollout"]), len(used["trainer"]), bool(used["rollout"] & used["trainer"])
 
 
-def _steady_lines(run_dir: Path, skip: int | None) -> list[dict[str, float]]:
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise CalibrationError(f"{run_dir} has no {METRICS_FILE}: the run trained no step")
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _steady_lines(run_dir: str | Path, skip: int | None) -> list[dict[str, float]]:
+    path = storage.join(run_dir, METRICS_FILE)
+    try:
+        text = storage.read_text(path)
+    except FileNotFoundError:
+        raise CalibrationError(f"{run_dir} has no {METRICS_FILE}: the run trained no step") from None
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
     skip = max(2, len(lines) // 4) if skip is None else skip
     if len(lines) < skip + 3:
         raise CalibrationError(

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError, to_dict
 from areal_jax.data.datasets import PromptRecord
@@ -60,6 +61,7 @@ from areal_jax.system.assembly import (
 )
 from areal_jax.system.reporting import BATCH_WAIT, QUEUE, RunReporter
 from areal_jax.system.run_dir import check_run_dir, start_run_dir
+from areal_jax.system.run_mirror import mirroring, pull_records, reset_local_copy
 from areal_jax.system.trainer_processes import SharedBatches, TrainerProcesses
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
@@ -166,11 +168,36 @@ def train(
     calls this; process 0 starts the run directory, reads the log and decides (`trainer_processes`)."""
     started = time.perf_counter()
     processes = TrainerProcesses()
-    run_dir = cfg.run_dir
-    latest = TrainCheckpointer.latest_in(run_dir / "checkpoints") if resume else None
+    checkpoints = storage.join(cfg.run_location, "checkpoints")
+    latest = TrainCheckpointer.latest_in(checkpoints) if resume else None
     plan = check_run_dir(cfg, resume, overwrite, latest)  # every process: the same refusals
     processes.barrier("areal-run-dir-checked")  # before process 0 changes what the others check
     processes.on_primary(lambda: start_run_dir(cfg, plan))
+    with _records_mirror(cfg, resume, processes):
+        return _train(cfg, trainer_mesh, rollouts, checkpoints, processes, resume, stop_event, started)
+
+
+def _records_mirror(cfg: ExperimentConfig, resume: bool, processes: TrainerProcesses) -> Any:
+    """On a gs:// run: process 0's local copy of the records, emptied (a new run) or filled from the bucket
+    (a resume), uploaded while the run goes on; the other processes upload their profiles only."""
+    if processes.primary and storage.is_remote(cfg.run_location):
+        if resume:
+            pull_records(cfg.run_location, cfg.run_dir)
+        else:
+            reset_local_copy(cfg.run_dir)
+    return mirroring(cfg, fresh=True) if processes.primary else mirroring(cfg, only=frozenset({"profile"}))
+
+
+def _train(
+    cfg: ExperimentConfig,
+    trainer_mesh: Mesh,
+    rollouts: Callable[[_TrainingRun], RolloutSide],
+    checkpoints: str,
+    processes: TrainerProcesses,
+    resume: bool,
+    stop_event: threading.Event | None,
+    started: float,
+) -> RunSummary:
     _check_several_processes(cfg, processes)
     tokenizer = build_tokenizer(cfg)
     model = load_policy(cfg, trainer_mesh, tokenizer)
@@ -185,7 +212,7 @@ def train(
             temperature=cfg.rollout.workflow.sampling.temperature,
             reference_params=nnx.state(model) if kl else None,  # the starting policy (also on --resume)
         )
-        checkpointer = TrainCheckpointer(run_dir / "checkpoints", cfg.train_checkpoint)
+        checkpointer = TrainCheckpointer(checkpoints, cfg.train_checkpoint)
         checkpointer.install_signal_handlers()
         try:
             training = _TrainingRun(cfg, model, trainer, checkpointer, stream, heldout, workflow, stop_event, processes)
@@ -272,13 +299,13 @@ class InProcessRollouts:
         inference_params = copy_to(trainer.params, state_shardings(trainer.params, self.inference_mesh))
         params = engine.load_params(inference_params, trainer.version)
         engine.warmup(params)
-        resources.record_mesh(cfg.run_dir, "rollout-0", self.inference_mesh)
+        resources.record_mesh(cfg.run_location, "rollout-0", self.inference_mesh)
         self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
         if self.metadata:
             self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
         writer_id = f"rollout{jax.process_index()}-{int(time.time())}"
         self.sink = GroupLogSink(
-            RolloutLogWriter(cfg.run_dir / "rollout_log", writer_id=writer_id, config=cfg.rollout.log)
+            RolloutLogWriter(storage.join(cfg.run_location, "rollout_log"), writer_id=writer_id, config=cfg.rollout.log)
         )
         try:
             with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
@@ -358,7 +385,7 @@ class _TrainingRun:
         self.heldout = heldout
         self.workflow = workflow
         self.run_dir = cfg.run_dir
-        self.log_dir = self.run_dir / "rollout_log"
+        self.log_dir = storage.join(cfg.run_location, "rollout_log")
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.groups_path = self.run_dir / "trained_groups.jsonl"  # which prompts each step trained on
         self.metadata: dict[str, Any] = {}
@@ -391,7 +418,8 @@ class _TrainingRun:
         """On a resume, process 0: set the log's unread rest aside (the servers issue those groups again) and
         drop the trained-groups lines after the checkpoint (metrics.jsonl: the reporter's)."""
         metadata, version = self.metadata, self.trainer.version
-        aside = set_aside_unread(self.log_dir, metadata["pipeline"], self.run_dir / f"rollout_log_unused/resume-{step}")
+        unused = storage.join(self.cfg.run_location, "rollout_log_unused", f"resume-{step}")
+        aside = set_aside_unread(self.log_dir, metadata["pipeline"], unused)
         self.ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
         _truncate_jsonl(self.groups_path, version, "version")
         logger.info(
@@ -423,7 +451,7 @@ class _TrainingRun:
         profile = ProfileWindow(self.cfg.profile, profile_dir)
         try:
             with rollouts.serving(self.trainer, on_failure=self.pipeline_stop.set):
-                resources.record_mesh(self.run_dir, f"trainer-{processes.index}", self.trainer.train_step.mesh)
+                resources.record_mesh(self.cfg.run_location, f"trainer-{processes.index}", self.trainer.train_step.mesh)
                 try:
                     if self.cfg.eval.every_steps and self.heldout and not self.metadata:
                         self.before = self._evaluate(0, prefix="eval_before")
@@ -606,9 +634,12 @@ class _TrainingRun:
 
     def _outputs(self) -> list[str]:
         """The run's outputs besides the reporter's, for its closing summary."""
-        lines = [f"checkpoints: {self.run_dir / 'checkpoints'}", f"trained prompts: {self.groups_path}"]
+        location = self.cfg.run_location
+        lines = [f"checkpoints: {storage.join(location, 'checkpoints')}", f"trained prompts: {self.groups_path}"]
         if (self.run_dir / "eval").is_dir():
             lines.append(f"held-out evaluations: {self.run_dir / 'eval'}")
+        if storage.is_remote(location):
+            lines.append(f"records: {self.run_dir}, uploaded to {location}")
         return lines
 
     def _log_step(self, stats: dict[str, float]) -> None:

@@ -19,9 +19,9 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
+from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, option
 
 CONTROL_DIR = "control"
@@ -149,59 +149,57 @@ def server_group_ids(point: ResumePoint, servers: int, end: int) -> Iterator[int
     yield from range(point.next_group_id, end, servers)
 
 
-def control_dir(run_dir: Path) -> Path:
-    return run_dir / CONTROL_DIR
+def control_dir(run_location: storage.Location) -> str:
+    return storage.join(run_location, CONTROL_DIR)
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Readers see the old file or the new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value, sort_keys=True))
-    os.replace(temporary, path)
+def write_json_atomic(location: storage.Location, value: Any) -> None:
+    """Readers see the old file or the new one, never a half-written one (local or gs://)."""
+    storage.write_atomic(location, json.dumps(value, sort_keys=True))
 
 
-def read_json(path: Path) -> Any | None:
+def read_json(location: storage.Location) -> Any | None:
     try:
-        return json.loads(path.read_text())
+        return json.loads(storage.read_text(location))
     except FileNotFoundError:
         return None
 
 
 class ControlFiles:
-    """The run directory's `control/` files: per-server status, done and failed markers, the stop marker."""
+    """The run directory's `control/` files: per-server status, done and failed markers, the stop marker.
+    `run_location` may be local or gs:// (`areal_jax.storage`)."""
 
-    def __init__(self, run_dir: Path, servers: int):
-        self.directory = control_dir(run_dir)
+    def __init__(self, run_location: storage.Location, servers: int):
+        self.directory = control_dir(run_location)
         self.servers = servers
 
-    def status_path(self, server: int) -> Path:
-        return self.directory / f"rollout-{server}.json"
+    def status_path(self, server: int) -> str:
+        return storage.join(self.directory, f"rollout-{server}.json")
 
-    def done_path(self, server: int) -> Path:
-        return self.directory / f"rollout-{server}.done"
+    def done_path(self, server: int) -> str:
+        return storage.join(self.directory, f"rollout-{server}.done")
 
-    def failed_path(self, server: int) -> Path:
-        return self.directory / f"rollout-{server}.failed"
-
-    @property
-    def stop_path(self) -> Path:
-        return self.directory / "stop"
+    def failed_path(self, server: int) -> str:
+        return storage.join(self.directory, f"rollout-{server}.failed")
 
     @property
-    def ready_path(self) -> Path:
+    def stop_path(self) -> str:
+        return storage.join(self.directory, "stop")
+
+    @property
+    def ready_path(self) -> str:
         """Written by the trainer once it has restored its state and published its version: servers start
         only then (a resumed trainer first sets the log's unread shards aside and drops newer versions)."""
-        return self.directory / "trainer.json"
+        return storage.join(self.directory, "trainer.json")
 
     @property
-    def direct_weights_path(self) -> Path:
+    def direct_weights_path(self) -> str:
         """The direct weight path's announcement (`weights/direct.py`): the version on offer and how to pull
         it; written by the trainer, read by the servers."""
-        return self.directory / "weights-direct.json"
+        return storage.join(self.directory, "weights-direct.json")
 
     def trainer_starting(self) -> None:
-        self.ready_path.unlink(missing_ok=True)
+        storage.remove(self.ready_path)
 
     def trainer_ready(self, version: int) -> None:
         write_json_atomic(self.ready_path, {"pid": os.getpid(), "version": version, "time": time.time()})
@@ -211,11 +209,11 @@ class ControlFiles:
 
     def clear(self) -> None:
         """A (re)started trainer: markers of an earlier attempt must not end this one."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        storage.make_dirs(self.directory)
         for server in range(self.servers):
             for path in (self.done_path(server), self.failed_path(server)):
-                path.unlink(missing_ok=True)
-        self.stop_path.unlink(missing_ok=True)
+                storage.remove(path)
+        storage.remove(self.stop_path)
 
     def write_status(self, server: int, status: dict[str, Any]) -> None:
         write_json_atomic(self.status_path(server), {**status, "time": time.time()})
@@ -227,7 +225,7 @@ class ControlFiles:
         write_json_atomic(self.done_path(server), {"time": time.time()})
 
     def all_done(self) -> bool:
-        return all(self.done_path(i).exists() for i in range(self.servers))
+        return all(storage.exists(self.done_path(i)) for i in range(self.servers))
 
     def mark_failed(self, server: int, message: str) -> None:
         write_json_atomic(self.failed_path(server), {"message": message, "time": time.time()})
@@ -240,7 +238,7 @@ class ControlFiles:
         write_json_atomic(self.stop_path, {"reason": reason, "time": time.time()})
 
     def stop_requested(self) -> bool:
-        return self.stop_path.exists()
+        return storage.exists(self.stop_path)
 
 
 def sum_statuses(statuses: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:

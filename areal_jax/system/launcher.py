@@ -214,7 +214,7 @@ def launch_local(
         sorted(rollout_set),
     )
     interrupted = threading.Event()
-    control = ControlFiles(cfg.run_dir, rollout_servers)
+    control = ControlFiles(cfg.run_location, rollout_servers)
     trainers = [_Child(spec, env) for spec in trainer_roles]
     servers: dict[int, list[_Child]] = {}
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import jax
 
+from areal_jax import storage
 from areal_jax.system.cluster import control_dir, read_json, write_json_atomic
 
 _PREFIX = "resources-"
@@ -37,14 +37,14 @@ def describe(devices: Iterable[jax.Device]) -> dict[str, Any]:
     }
 
 
-def record(run_dir: Path, role: str, devices: Iterable[jax.Device]) -> None:
+def record(run_location: storage.Location, role: str, devices: Iterable[jax.Device]) -> None:
     """Write this process's record as `role` (e.g. `trainer-0`, `rollout-2`)."""
-    write_json_atomic(control_dir(run_dir) / f"{_PREFIX}{role}.json", describe(devices))
+    write_json_atomic(storage.join(control_dir(run_location), f"{_PREFIX}{role}.json"), describe(devices))
 
 
-def record_mesh(run_dir: Path, role: str, mesh: jax.sharding.Mesh) -> None:
+def record_mesh(run_location: storage.Location, role: str, mesh: jax.sharding.Mesh) -> None:
     """`record` for the devices of `mesh` that belong to this process."""
-    record(run_dir, role, (d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+    record(run_location, role, (d for d in mesh.devices.flat if d.process_index == jax.process_index()))
 
 
 def rollout_role(server: int) -> str:
@@ -59,8 +59,9 @@ def processes_of(records: dict[str, dict[str, Any]], role: str) -> list[str]:
     return [role, *sorted(name for name in records if name.startswith(f"{role}."))]
 
 
-def read_all(run_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every role's record in `run_dir`, by role name."""
-    found = sorted(control_dir(run_dir).glob(f"{_PREFIX}*.json"))
-    records = {path.stem.removeprefix(_PREFIX): read_json(path) for path in found}
+def read_all(run_location: storage.Location) -> dict[str, dict[str, Any]]:
+    """Every role's record in the run directory `run_location`, by role name."""
+    directory = control_dir(run_location)
+    found = [n for n in storage.names(directory) if n.startswith(_PREFIX) and n.endswith(".json")]
+    records = {n.removeprefix(_PREFIX).removesuffix(".json"): read_json(storage.join(directory, n)) for n in found}
     return {role: value for role, value in records.items() if value is not None}

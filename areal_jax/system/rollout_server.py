@@ -29,12 +29,12 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
 
+from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, logged_group_ids
@@ -59,6 +59,7 @@ from areal_jax.system.cluster import (
 )
 from areal_jax.system.command_channel import CommandReceiver, CommandSender, PeerLost
 from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
+from areal_jax.system.run_mirror import mirroring
 from areal_jax.system.trainer_processes import TrainerProcesses
 from areal_jax.system.weight_paths import open_subscriber
 from areal_jax.weights.base import WeightSubscriber, abstract_target
@@ -104,14 +105,16 @@ def run_rollout_server(
     engine = Engine(policy, cfg.rollout.engine, mesh)
     target = abstract_target(nnx.state(policy), engine.param_shardings)  # what each version is loaded onto
     if jax.process_count() == 1:
-        return _serve(cfg, server, tokenizer, engine, target, stop_event)
+        with mirroring(cfg, only=frozenset({"eval"})):  # server 0's held-out evaluations, on a gs:// run
+            return _serve(cfg, server, tokenizer, engine, target, stop_event)
     channel = _join_processes(cfg)
     if isinstance(channel, CommandReceiver):
         return _follow(cfg, server, engine, target, channel, stop_event)
     mirrored = MirroredEngine(engine, channel)
     ended_by = "failed"
     try:
-        summary = _serve(cfg, server, tokenizer, mirrored, target, stop_event)
+        with mirroring(cfg, only=frozenset({"eval"})):
+            summary = _serve(cfg, server, tokenizer, mirrored, target, stop_event)
         ended_by = summary.ended_by
         return summary
     finally:
@@ -128,9 +131,9 @@ def _serve(
 ) -> RolloutServerSummary:
     """The server on `engine` (process 0's, when the server spans several processes)."""
     servers = cfg.cluster.rollout_servers
-    run_dir = cfg.run_dir
+    run_dir = cfg.run_location
     control = ControlFiles(run_dir, servers)
-    subscriber = _wait_for_trainer(control, run_dir / WEIGHTS_DIR, cfg, server, stop_event)
+    subscriber = _wait_for_trainer(control, storage.join(run_dir, WEIGHTS_DIR), cfg, server, stop_event)
     if subscriber is None:
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     if isinstance(engine, MirroredEngine):
@@ -143,7 +146,7 @@ def _serve(
         with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
             train_prompts, heldout = build_prompts(cfg, workflow)
             stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
-            log_dir = run_dir / "rollout_log"
+            log_dir = storage.join(run_dir, "rollout_log")
             point = resume_point(logged_group_ids(log_dir), server, servers)
             staleness = StalenessManager(cfg.rollout.staleness, first.version, server=server, servers=servers)
             staleness.restore(point.written, 0, first.version)
@@ -250,7 +253,7 @@ def _follow(
 ) -> RolloutServerSummary:
     """A process > 0 of the server: carries out process 0's engine commands until its stop; writes nothing
     but the record of its devices (for `areal-jax plan`)."""
-    resources.record(cfg.run_dir, resources.rollout_role(server), jax.local_devices())
+    resources.record(cfg.run_location, resources.rollout_role(server), jax.local_devices())
     subscriber: WeightSubscriber | None = None
     versions = 0
 
@@ -276,12 +279,12 @@ def _follow(
 
 
 def _wait_for_trainer(
-    control: ControlFiles, directory: Path, cfg: ExperimentConfig, server: int, stop_event: threading.Event
+    control: ControlFiles, directory: str, cfg: ExperimentConfig, server: int, stop_event: threading.Event
 ) -> WeightSubscriber | None:
     """The trainer's weight path once the trainer says it is ready (it creates or restores the run and
     publishes its version first); None when stopped first."""
     deadline = time.monotonic() + cfg.cluster.start_timeout_s
-    while control.ready_trainer() is None or not directory.is_dir():
+    while control.ready_trainer() is None or not storage.is_dir(directory):
         if stop_event.wait(cfg.cluster.weights_poll_s):
             return None
         if time.monotonic() > deadline:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from areal_jax import __version__
+from areal_jax import __version__, storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import ConfigError, to_dict, to_yaml
 from areal_jax.sft import WARM_START_DIR
@@ -59,6 +59,7 @@ RESUME_MAY_CHANGE = (
     # where the run lives, how long it goes on, what is recorded around it
     "name",
     "output_dir",
+    "local_copy_dir",
     "train_steps",
     "train_checkpoint.*",
     "profile.*",
@@ -117,6 +118,8 @@ def check_run_location(cfg: ExperimentConfig) -> None:
             "name",
             f"value {name!r} is not a run name; expected a relative path below output_dir without '..' (e.g. 'my-run')",
         )
+    if storage.is_remote(cfg.run_location):
+        return  # a bucket prefix holds neither output_dir's parent on this host nor the current directory
     run_dir = cfg.run_dir.resolve()
     for what, path in (("output_dir", Path(cfg.output_dir)), ("the current directory", Path.cwd())):
         place = path.resolve()
@@ -133,13 +136,13 @@ def _listing(names: list[str], most: int = 8) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _entries(run_dir: Path) -> list[str]:
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()) if run_dir.is_dir() else []
+def _entries(run_location: str) -> list[str]:
+    return sorted(name + ("/" if is_dir else "") for name, (is_dir, _) in storage.listing(run_location).items())
 
 
-def _previous_run(run_dir: Path) -> str | None:
-    """What an earlier run left in `run_dir` (None when nothing)."""
-    found = [name for name in _EARLIER_RUN if (run_dir / name).exists()]
+def _previous_run(run_location: str) -> str | None:
+    """What an earlier run left in `run_location` (None when nothing)."""
+    found = [name for name in _EARLIER_RUN if storage.exists(storage.join(run_location, name))]
     return ", ".join(found) or None
 
 
@@ -174,12 +177,12 @@ def _short(value: Any, most: int = 40) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
-def _check_resume_config(cfg: ExperimentConfig, saved: Path) -> None:
-    if not saved.is_file():
+def _check_resume_config(cfg: ExperimentConfig, saved: str) -> None:
+    if not storage.exists(saved):
         logger.warning("%s not found: the config of the resumed run cannot be compared with its own", saved)
         return
     try:
-        old = load_experiment(saved)
+        old = load_experiment(saved)  # local or gs://
     except ConfigError as err:
         raise RunDirectoryError(
             f"cannot read the run's config {saved} ({err}); fix it, or remove it to resume unchecked"
@@ -197,23 +200,29 @@ def _check_resume_config(cfg: ExperimentConfig, saved: Path) -> None:
         logger.info("resuming with changed settings: %s", ", ".join(allowed))
 
 
-def _delete_run(run_dir: Path) -> None:
-    """Delete what a run created in the marked `run_dir` (the directory too when nothing else is in it)."""
-    foreign = [name for name in _entries(run_dir) if name.rstrip("/") not in RUN_ENTRIES]
-    if not foreign and not run_dir.is_symlink():
-        logger.warning("--overwrite: deleting the earlier run %s", run_dir)
-        shutil.rmtree(run_dir)
+def _delete_run(run_location: str) -> None:
+    """Delete what a run created in the marked `run_location` (the directory too when nothing else is in it)."""
+    foreign = [name for name in _entries(run_location) if name.rstrip("/") not in RUN_ENTRIES]
+    local = not storage.is_remote(run_location)
+    if not foreign and local and not Path(run_location).is_symlink():
+        logger.warning("--overwrite: deleting the earlier run %s", run_location)
+        shutil.rmtree(run_location)
         return
-    logger.warning("--overwrite: deleting the earlier run in %s, keeping %s", run_dir, _listing(foreign))
+    if foreign:
+        logger.warning("--overwrite: deleting the earlier run in %s, keeping %s", run_location, _listing(foreign))
+    else:
+        logger.warning("--overwrite: deleting the earlier run %s", run_location)
     for name in RUN_ENTRIES:
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
+        path = storage.join(run_location, name)
+        if local and Path(path).is_symlink():
+            Path(path).unlink()
+        elif storage.is_dir(path):
+            storage.remove_tree(path)
+        else:
+            storage.remove(path)
 
 
-def _refuse_unmarked(run_dir: Path, previous: str) -> RunDirectoryError:
+def _refuse_unmarked(run_dir: str, previous: str) -> RunDirectoryError:
     foreign = [name for name in _entries(run_dir) if name.rstrip("/") not in RUN_ENTRIES]
     holds = f"files that are not a run's: {_listing(foreign)}" if foreign else f"only a run's files ({previous})"
     return RunDirectoryError(
@@ -222,9 +231,10 @@ def _refuse_unmarked(run_dir: Path, previous: str) -> RunDirectoryError:
     )
 
 
-def _write_marker(run_dir: Path) -> None:
+def _write_marker(run_location: str) -> None:
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    (run_dir / MARKER).write_text(json.dumps({"created": created, "areal_jax_version": __version__}) + "\n")
+    marker = json.dumps({"created": created, "areal_jax_version": __version__}) + "\n"
+    storage.write_atomic(storage.join(run_location, MARKER), marker)
 
 
 def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest_checkpoint: int | None) -> None:
@@ -250,24 +260,24 @@ class RunDirPlan:
 def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest_checkpoint: int | None) -> RunDirPlan:
     """The refusals of `prepare_run_dir`, writing nothing (every trainer process checks; process 0 starts)."""
     check_run_location(cfg)
-    run_dir = cfg.run_dir
+    run_dir = cfg.run_location
     if resume and overwrite:
         raise RunDirectoryError("--resume and --overwrite exclude each other")
     previous = _previous_run(run_dir)
     if resume:
         if latest_checkpoint is None:
             raise RunDirectoryError(
-                f"nothing to resume: no training checkpoint in {run_dir / 'checkpoints'}"
+                f"nothing to resume: no training checkpoint in {storage.join(run_dir, 'checkpoints')}"
                 + (f" (found: {previous}); start over with --overwrite" if previous else "")
             )
-        _check_resume_config(cfg, run_dir / CONFIG_FILE)
+        _check_resume_config(cfg, storage.join(run_dir, CONFIG_FILE))
     elif previous is not None:
         if not overwrite:
             raise RunDirectoryError(
                 f"{run_dir} holds an earlier run ({previous}); continue it with --resume, start over with "
                 "--overwrite (deletes it), or pick another name=... / output_dir=..."
             )
-        if not (run_dir / MARKER).is_file():
+        if not storage.exists(storage.join(run_dir, MARKER)):
             raise _refuse_unmarked(run_dir, previous)
     return RunDirPlan(resume, previous)
 
@@ -275,15 +285,15 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest_c
 def start_run_dir(cfg: ExperimentConfig, plan: RunDirPlan) -> None:
     """Start the run in `cfg.run_dir` as `check_run_dir` planned it (delete an earlier run, the marker, the
     config)."""
-    run_dir, resume, previous = cfg.run_dir, plan.resume, plan.previous
+    run_dir, resume, previous = cfg.run_location, plan.resume, plan.previous
     try:
         if previous is not None and not resume:
             _delete_run(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume or not (run_dir / MARKER).exists():
+        storage.make_dirs(run_dir)
+        if not resume or not storage.exists(storage.join(run_dir, MARKER)):
             _write_marker(run_dir)
         if not resume:
-            (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
+            storage.write_atomic(storage.join(run_dir, CONFIG_FILE), to_yaml(cfg))
     except OSError as err:
-        where = f" ({err.filename})" if err.filename and Path(err.filename) != run_dir else ""
+        where = f" ({err.filename})" if err.filename and str(err.filename) != run_dir else ""
         raise RunDirectoryError(f"cannot write the run directory {run_dir}{where}: {err.strerror or err}") from err

@@ -29,6 +29,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.generator import GeneratorStats
 from areal_jax.sharding import make_mesh
@@ -55,7 +56,7 @@ class RemoteRollouts:
     def __init__(self, cfg: ExperimentConfig, processes: TrainerProcesses):
         self.cfg = cfg
         self.processes = processes  # process 0 alone writes the control files
-        self.control = ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers)
+        self.control = ControlFiles(cfg.run_location, cfg.cluster.rollout_servers)
         self.done = _AllDone(self.control)
         self.publish_seconds = 0.0
 
@@ -64,7 +65,7 @@ class RemoteRollouts:
         primary = self.processes.primary
         if primary:
             self.control.clear()
-        store = self.cfg.run_dir / WEIGHTS_DIR
+        store = storage.join(self.cfg.run_location, WEIGHTS_DIR)
         _drop_versions_after(store, trainer.version)  # Orbax: every process takes part, process 0 deletes
         self.processes.barrier("areal-weights-trimmed")
         publisher = open_publisher(self.cfg)
@@ -134,7 +135,7 @@ class _AllDone:
 
 def _drop_versions_after(store: Any, version: int) -> None:
     """Delete weight versions newer than `version` (a resumed trainer's lost future)."""
-    if not store.is_dir():
+    if not storage.is_dir(store):
         return
     options = ocp.CheckpointManagerOptions(create=False)
     with ocp.CheckpointManager(checkpoint_location(store), options=options) as manager:
@@ -150,7 +151,7 @@ def run_trainer(
     """Train `cfg.train_steps` steps on what the rollout servers write (see the module docstring)."""
     initialize_distributed(cfg.distributed)
     if TrainerProcesses().primary:
-        ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).trainer_starting()
+        ControlFiles(cfg.run_location, cfg.cluster.rollout_servers).trainer_starting()
     mesh = make_mesh(cfg.mesh)  # every device of every trainer process
     return train(
         cfg,

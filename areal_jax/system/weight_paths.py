@@ -4,10 +4,10 @@ Orbax store in `<run>/weights` alone, or the direct transfer path beside it (`we
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import jax
 
+from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles
 from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 def open_publisher(cfg: ExperimentConfig) -> OrbaxWeightPublisher | DirectWeightPublisher:
     """The trainer's end."""
     cluster = cfg.cluster
-    store = OrbaxWeightPublisher(cfg.run_dir / WEIGHTS_DIR, max_to_keep=cluster.weights_keep)
+    store = OrbaxWeightPublisher(storage.join(cfg.run_location, WEIGHTS_DIR), max_to_keep=cluster.weights_keep)
     if cluster.weight_transfer == "orbax":
         return store
     return DirectWeightPublisher(
@@ -39,7 +39,7 @@ def open_subscriber(cfg: ExperimentConfig, server: int) -> OrbaxWeightSubscriber
     poll = cluster.weights_poll_s
     several = jax.process_count() > 1
     store = OrbaxWeightSubscriber(
-        cfg.run_dir / WEIGHTS_DIR, poll_initial_s=poll, poll_max_s=poll, process_local=several
+        storage.join(cfg.run_location, WEIGHTS_DIR), poll_initial_s=poll, poll_max_s=poll, process_local=several
     )
     if cluster.weight_transfer == "orbax":
         return store
@@ -62,5 +62,5 @@ def open_subscriber(cfg: ExperimentConfig, server: int) -> OrbaxWeightSubscriber
     )
 
 
-def _announcement(cfg: ExperimentConfig) -> Path:
-    return ControlFiles(cfg.run_dir, cfg.cluster.rollout_servers).direct_weights_path
+def _announcement(cfg: ExperimentConfig) -> str:
+    return ControlFiles(cfg.run_location, cfg.cluster.rollout_servers).direct_weights_path

@@ -41,13 +41,13 @@ import logging
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import transfer
 
+from areal_jax import storage
 from areal_jax.sharding import copy_to
 from areal_jax.system.cluster import read_json, write_json_atomic
 from areal_jax.system.trainer_processes import TrainerProcesses
@@ -124,7 +124,7 @@ class Announcement:
         )
 
 
-def read_announcement(path: Path) -> Announcement | None:
+def read_announcement(path: storage.Location) -> Announcement | None:
     value = read_json(path)
     return None if value is None else Announcement.from_json(value)
 
@@ -142,7 +142,7 @@ class DirectWeightPublisher:
 
     def __init__(
         self,
-        announcement: Path,
+        announcement: storage.Location,
         durable: OrbaxWeightPublisher,
         *,
         pullers: int,
@@ -162,7 +162,7 @@ class DirectWeightPublisher:
         self._serial = itertools.count()
         self._version: int | None = None
         if self._processes.primary:
-            announcement.unlink(missing_ok=True)  # an earlier trainer's offers are gone with it
+            storage.remove(announcement)  # an earlier trainer's offers are gone with it
         logger.info("direct weight path: transfer server at %s", self._server.address())
 
     def latest_version(self) -> int | None:
@@ -225,7 +225,7 @@ class DirectWeightPublisher:
 
     def close(self) -> None:
         if self._processes.primary:
-            self.announcement.unlink(missing_ok=True)  # no reader should dial a server that is going away
+            storage.remove(self.announcement)  # no reader should dial a server that is going away
         self.durable.close()
 
 
@@ -234,7 +234,7 @@ class DirectWeightSubscriber:
 
     def __init__(
         self,
-        announcement: Path,
+        announcement: storage.Location,
         durable: OrbaxWeightSubscriber,
         *,
         puller: int,

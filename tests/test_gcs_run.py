@@ -1,0 +1,110 @@
+"""A run whose directory is a gs:// bucket (a local GCS server, tests/gcs_emulator.py): `areal-jax launch
+local` with a trainer and a rollout server that meet only through the bucket (control files, rollout log,
+Orbax weight versions polled by the server, checkpoints), the trainer's records uploaded from its local
+copy; then resumed from another local copy (a new host), which continues the bucket's records; then
+evaluated from the bucket."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from pathlib import Path
+
+from areal_jax import storage
+from areal_jax.config import load_experiment
+from areal_jax.data.rollout_log import list_shards, read_shard
+from areal_jax.trainer.checkpoint import TrainCheckpointer
+from tests.gcs_emulator import BUCKET, GcsEmulator
+
+RUN = [
+    "configs/train_cpu.yaml",
+    "rollout.staleness.batch_prompts=4",
+    "rollout.staleness.max_head_offpolicyness=1",
+    "rollout.workflow.n_samples=4",
+    "rollout.engine.max_slots=8",
+    "rollout.engine.max_prefill_batch=2",
+    "trainer.packing.token_budget=256",
+    "trainer.packing.rows=4",
+    "train_checkpoint.every_steps=2",
+    "report.plots=false",
+    "dataset.heldout=0",
+    "eval.every_steps=0",
+    "cluster.status_every_s=0.2",
+    "cluster.weights_poll_s=0.1",
+    "cluster.weight_transfer=orbax",  # the server must see each new version in the bucket's listing
+    "name=run",
+]
+
+
+def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flags: str) -> str:
+    command = [sys.executable, "-m", "areal_jax.cli", "launch", "local", "--rollout", "1", *flags, *RUN]
+    command += [
+        f"train_steps={steps}",
+        f"output_dir={output_dir}",
+        f"local_copy_dir={local_copy}",
+        f"compilation_cache_dir={tmp_path / 'xla'}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout + done.stderr
+
+
+def _metrics(location: str) -> list[dict]:
+    return [json.loads(line) for line in storage.read_text(location).splitlines() if line.strip()]
+
+
+def test_a_run_on_a_bucket_trains_resumes_elsewhere_and_keeps_its_records_there(
+    gcs: GcsEmulator, tmp_path: Path
+) -> None:
+    output_dir = f"gs://{BUCKET}/{uuid.uuid4().hex}"
+    run = storage.join(output_dir, "run")
+    first_copy, second_copy = tmp_path / "host-a", tmp_path / "host-b"
+    _launch(tmp_path, output_dir, first_copy, 3)
+
+    # the shared files are in the bucket, nothing of them on the local disk
+    names = storage.names(run)
+    for entry in (".areal-run", "config.yaml", "checkpoints", "weights", "rollout_log", "control", "metrics.jsonl"):
+        assert entry in names, names
+    local = load_experiment(None, [f"output_dir={output_dir}", "name=run", f"local_copy_dir={first_copy}"]).run_dir
+    assert local.is_relative_to(first_copy)
+    assert (local / "metrics.jsonl").is_file()
+    assert not any((local / entry).exists() for entry in ("checkpoints", "weights", "rollout_log", "control"))
+    assert TrainCheckpointer.latest_in(storage.join(run, "checkpoints")) == 3
+    assert [m["train/version"] for m in _metrics(storage.join(run, "metrics.jsonl"))] == [1, 2, 3]
+    assert storage.read_text(storage.join(run, "metrics.jsonl")) == (local / "metrics.jsonl").read_text()
+    # the server started on version 0 (nothing to train before its groups) and found later ones in the bucket
+    status = json.loads(storage.read_text(storage.join(run, "control", "rollout-0.json")))
+    assert status["weights_version"] >= 1 and status["weights_orbax_loads"] >= 1, status
+
+    # resumed on "another host": its local copy starts empty and is filled from the bucket
+    output = _launch(tmp_path, output_dir, second_copy, 5, "--resume")
+    assert "resumed from step 3" in output, output[-3000:]
+    metrics = _metrics(storage.join(run, "metrics.jsonl"))
+    assert [m["train/version"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert TrainCheckpointer.latest_in(storage.join(run, "checkpoints")) == 5
+
+    log = storage.join(run, "rollout_log")
+    entries = [e.trajectory for shard in list_shards(log) for e in read_shard(log, shard)[0]]
+    records = [(t.group_id, t.sample_index) for t in entries]
+    assert records and max(Counter(records).values()) == 1  # a group is written once, whatever the restarts
+    trained = [
+        json.loads(line)
+        for line in storage.read_text(storage.join(run, "trained_groups.jsonl")).splitlines()
+        if line.strip()
+    ]
+    groups = [g for line in trained for g, _ in line["groups"]]
+    assert [line["version"] for line in trained] == [1, 2, 3, 4, 5]
+    assert len(groups) == len(set(groups)) == 5 * 4  # every step trained 4 groups, none twice
+
+    # evaluated straight from the bucket: its newest training checkpoint, the report written next to it
+    command = [sys.executable, "-m", "areal_jax.cli", "eval", "--checkpoint", run, "dataset.heldout=4"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    report = json.loads(storage.read_text(storage.join(run, "eval", "eval.json")))
+    assert "training checkpoint 5" in report["checkpoint"] and report["overall"]["prompts"] == 4
