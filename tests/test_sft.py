@@ -152,3 +152,24 @@ def test_warm_start_is_cached_in_the_run_directory_and_reused(tmp_path, caplog, 
 def test_sft_command_refuses_a_config_without_a_warm_start(capsys):
     assert main(["sft", "configs/chain_sums_cpu.yaml", "warm_start.steps=0"]) == 2
     assert "warm_start.steps: is 0" in capsys.readouterr().err
+
+
+def test_a_warm_start_on_a_bucket_is_cached_there_and_loaded_on_another_host(tmp_path, gcs, caplog):
+    from areal_jax import storage
+    from tests.gcs_emulator import BUCKET
+
+    caplog.set_level(logging.INFO)
+    output_dir = f"gs://{BUCKET}/{tmp_path.name}"
+    overrides = [*SMALL_RUN, f"output_dir={output_dir}", f"local_copy_dir={tmp_path / 'host-a'}"]
+    assert main(["sft", "configs/chain_sums_cpu.yaml", *overrides]) == 0
+    cfg = load_experiment("configs/chain_sums_cpu.yaml", overrides)
+    on_bucket = storage.files_below(storage.join(cfg.run_location, WARM_START_DIR))
+    assert SUMMARY_FILE in on_bucket and any(name.endswith(".safetensors") for name in on_bucket)
+
+    elsewhere = cfg.replace(local_copy_dir=str(tmp_path / "host-b"))  # nothing of it on this host yet
+    tokenizer = build_tokenizer(elsewhere)
+    model = load_policy(elsewhere, None, tokenizer)
+    assert "using the cached" in caplog.text
+    trained = load_policy(cfg, None, tokenizer)  # from host a's own copy
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(trained.embed[...]))
+    assert (elsewhere.run_dir / WARM_START_DIR).is_dir()
