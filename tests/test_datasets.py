@@ -125,16 +125,18 @@ def test_every_ready_mapping_is_valid():
     assert set(MAPPINGS) >= {"gsm8k", "deepscaler", "aime24", "aime25", "amc23", "math500", "deepcoder"}
 
 
-def test_a_gs_path_without_gcsfs_is_a_clear_error(monkeypatch):
-    import builtins
+def test_a_dataset_on_a_bucket_reads_as_a_local_one(tmp_path, gcs):
+    from areal_jax import storage
+    from tests.gcs_emulator import BUCKET
 
-    real_import = builtins.__import__
-
-    def no_gcsfs(name, *args, **kwargs):
-        if name == "gcsfs" or name.startswith("gcsfs."):
-            raise ImportError("Please install gcsfs to access Google Storage")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_gcsfs)
-    with pytest.raises(ConfigError, match=r"path: 'gs://bucket/train\.jsonl': .*gcsfs.*requirements-tpu\.txt"):
-        load_prompts(DatasetConfig(path="gs://bucket/train.jsonl", mapping="gsm8k"))
+    rows = [{"question": f"{i} + 1?", "answer": f"work #### {i + 1}"} for i in range(3)]
+    local = tmp_path / "train.jsonl"
+    local.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    remote = f"gs://{BUCKET}/{tmp_path.name}/train.jsonl"
+    storage.upload(local, remote)
+    from_bucket = load_prompts(DatasetConfig(path=remote, mapping="gsm8k"))
+    from_disk = load_prompts(DatasetConfig(path=str(local), mapping="gsm8k"))
+    assert [(r.prompt, r.answer) for r in from_bucket] == [(r.prompt, r.answer) for r in from_disk]
+    assert [r.answer for r in from_bucket] == ["1", "2", "3"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(DatasetConfig(path=f"gs://{BUCKET}/{tmp_path.name}/missing.jsonl", mapping="gsm8k"))

@@ -101,6 +101,8 @@ def test_metadata_must_be_json_and_raw_keys_roundtrip(tmp_path: Path) -> None:
 
 def test_sigint_requests_a_save_and_a_second_one_interrupts(tmp_path: Path) -> None:
     checkpointer = TrainCheckpointer(tmp_path, CheckpointConfig(every_steps=100, async_save=False))
+    # the handler a process starts with (what the test's own process has may have been changed by others)
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.getsignal(signal.SIGINT)
     checkpointer.install_signal_handlers([signal.SIGINT])
     try:
@@ -115,7 +117,8 @@ def test_sigint_requests_a_save_and_a_second_one_interrupts(tmp_path: Path) -> N
             signal.raise_signal(signal.SIGINT)
     finally:
         checkpointer.close()
-    assert signal.getsignal(signal.SIGINT) is previous
+        restored = signal.signal(signal.SIGINT, original)
+    assert restored is previous
 
 
 @pytest.mark.multiprocess

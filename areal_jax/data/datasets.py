@@ -244,12 +244,8 @@ def to_record(row: Mapping[str, Any], fields: FieldMapping, source: str, default
 
 def load_prompts(config: DatasetConfig) -> PromptDataset:
     """Read `config.path` into a `PromptDataset`, refusing or skipping malformed rows as configured."""
-    path = epath.Path(config.path)
-    try:
-        exists = path.is_file()
-    except ImportError as err:  # etils reads gs:// through gcsfs, an optional dependency
-        raise ConfigError("path", f"{config.path!r}: {err} (it is in requirements-tpu.txt)") from None
-    if not exists:
+    path = epath.Path(config.path)  # gs:// through gcsfs (requirements.txt)
+    if not path.is_file():
         raise FileNotFoundError(f"dataset file {config.path!r} does not exist")
     fmt = config.format if config.format != "auto" else path.suffix.lstrip(".")
     rows = _jsonl_rows(path) if fmt == "jsonl" else _parquet_rows(path)
