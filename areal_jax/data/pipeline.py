@@ -52,9 +52,10 @@ from areal_jax.data.rollout_log import (
     ReadProblem,
     ShardName,
     list_shards,
+    list_shards_and_ages,
     read_positions,
     read_shard,
-    shard_ages,
+    shard_age,
 )
 from areal_jax.data.trajectory import Trajectory
 
@@ -148,7 +149,7 @@ class RolloutLogIterator(grain.DatasetIterator):
         self._entries: collections.deque[LogEntry] = collections.deque()
         self._problems = 0
         self._pending: dict[str, collections.deque[ShardName]] = {}  # from the last directory listing
-        self._ages: dict[str, int] = {}  # shard name -> commit time, from the same listing
+        self._ages: dict[str, int] | None = None  # shard name -> commit time, from a gs:// listing
         self._gap_since: dict[str, float] = {}
 
     @property
@@ -213,8 +214,8 @@ class RolloutLogIterator(grain.DatasetIterator):
     def _refresh(self) -> None:
         """List the directory: per writer, its committed shards not yet consumed, in sequence order."""
         pending: dict[str, collections.deque[ShardName]] = {}
-        self._ages = shard_ages(self._ds.directory)
-        for shard in sorted(filter(None, map(ShardName.parse, self._ages))):
+        shards, self._ages = list_shards_and_ages(self._ds.directory)
+        for shard in shards:
             if shard.shard_seq >= self._next_shard.get(shard.writer_id, 0):
                 pending.setdefault(shard.writer_id, collections.deque()).append(shard)
         self._pending = pending
@@ -245,7 +246,7 @@ class RolloutLogIterator(grain.DatasetIterator):
         if not candidates:
             return None
 
-        chosen = min(candidates, key=lambda shard: (self._ages.get(shard.name, 0), shard.name))
+        chosen = min(candidates, key=lambda shard: (shard_age(self._ds.directory, shard.name, self._ages), shard.name))
         self._pending[chosen.writer_id].popleft()
         return chosen
 

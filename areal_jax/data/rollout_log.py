@@ -248,9 +248,24 @@ def list_shards(directory: str | os.PathLike[str]) -> list[ShardName]:
     return sorted(s for s in shards if s is not None)
 
 
-def shard_ages(directory: str | os.PathLike[str]) -> dict[str, int]:
-    """Shard file name -> its modification time (ns): when each committed shard appeared."""
-    return {name: mtime for name, (is_dir, mtime) in storage.listing(directory).items() if not is_dir}
+def shard_age(directory: str | os.PathLike[str], name: str, listed: dict[str, int] | None = None) -> int:
+    """When committed shard `name` appeared (modification time, ns; 0 when gone): from `listed` (a gs://
+    listing carries it for free), else one stat of the local file."""
+    if listed is not None and name in listed:
+        return listed[name]
+    try:
+        return os.stat(_shard_location(directory, name)).st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
+def list_shards_and_ages(directory: str | os.PathLike[str]) -> tuple[list[ShardName], dict[str, int] | None]:
+    """`list_shards`, and on gs:// each shard's age from the same listing (None locally: stat when needed)."""
+    if not storage.is_remote(directory):
+        return list_shards(directory), None
+    entries = storage.listing(directory)
+    shards = sorted(s for s in map(ShardName.parse, entries) if s is not None)
+    return shards, {name: mtime for name, (_, mtime) in entries.items()}
 
 
 class RolloutLogWriter:
