@@ -180,12 +180,15 @@ def train(
 def _records_mirror(cfg: ExperimentConfig, resume: bool, processes: TrainerProcesses) -> Any:
     """On a gs:// run: process 0's local copy of the records, emptied (a new run) or filled from the bucket
     (a resume), uploaded while the run goes on; the other processes upload their profiles only."""
-    if processes.primary and storage.is_remote(cfg.run_location):
-        if resume:
-            pull_records(cfg.run_location, cfg.run_dir)
-        else:
-            reset_local_copy(cfg.run_dir)
-    return mirroring(cfg, fresh=True) if processes.primary else mirroring(cfg, only=frozenset({"profile"}))
+    if storage.is_remote(cfg.run_location):
+        if processes.primary:
+            if resume:
+                pull_records(cfg.run_location, cfg.run_dir)
+            else:
+                reset_local_copy(cfg.run_dir)
+        # processes on process 0's host share its local copy: none writes there while it is emptied
+        processes.barrier("areal-local-copy-ready")
+    return mirroring(cfg) if processes.primary else mirroring(cfg, only=frozenset({"profile"}))
 
 
 def _train(

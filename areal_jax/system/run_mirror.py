@@ -75,9 +75,9 @@ class RunMirror:
 
     `only` limits it to those top-level entries (a rollout server uploads its `eval/` reports, a trainer
     process other than 0 its profile). Files present when it starts count as uploaded unless `fresh`: a
-    trainer's local copy was just emptied or pulled, so what it holds is the run's; anything else on the host
-    (an earlier run's leftovers) is not this process's to upload. The thread alone keeps the list of what
-    was uploaded; others send it requests through a queue."""
+    trainer's local copy was just emptied or pulled from the bucket, and anything else on the host (an
+    earlier run's leftovers) is not this process's to upload. The thread alone keeps the list of what was
+    uploaded; others send it requests through a queue."""
 
     def __init__(
         self,
