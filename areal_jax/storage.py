@@ -33,7 +33,7 @@ Location = str | os.PathLike[str]
 
 # No listing cache for any gs:// filesystem fsspec makes in this process, ours or the one etils.epath (and so
 # Orbax) uses: a cached listing hides what other processes wrote after it (a rollout server would never see
-# a new weight version; tests/test_gcs_run.py). Set at import, before any of them is made.
+# a new weight version; tests/test_storage.py). Set at import, before any of them is made.
 for _protocol in ("gs", "gcs"):
     fsspec_config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
 
