@@ -13,7 +13,7 @@ import difflib
 import functools
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -292,19 +292,20 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 BASE_KEY = "base"
 
 
-def _read_remote_yaml(location: str) -> dict[str, Any]:
+def _yaml_mapping(location: str, read: Callable[[], str]) -> dict[str, Any]:
+    """The top-level mapping of the YAML text `read` returns for `location`."""
     try:
-        data = yaml.safe_load(storage.read_text(location))
+        text = read()
     except OSError as err:
         raise ConfigError("", f"cannot read config file {location!r}: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError("", f"{location}: not valid YAML: {err}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError("", f"{location}: top level must be a mapping, got {type(data).__name__}")
-    if BASE_KEY in data:
-        raise ConfigError(BASE_KEY, f"{location}: a config on gs:// cannot name a base file; flatten it")
     return data
 
 
@@ -313,22 +314,14 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     file's keys are merged over it, section by section. A gs:// file is read too (a run's own config.yaml,
     which has no base)."""
     if storage.is_remote(path):
-        return _read_remote_yaml(str(path))
+        data = _yaml_mapping(str(path), lambda: storage.read_text(path))
+        if BASE_KEY in data:
+            raise ConfigError(BASE_KEY, f"{path}: a config on gs:// cannot name a base file; flatten it")
+        return data
     path = Path(path)
     if path.resolve() in _seen:
         raise ConfigError(BASE_KEY, f"{path}: the base chain comes back to itself ({' -> '.join(map(str, _seen))})")
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError("", f"cannot read config file {str(path)!r}: {err.strerror or err}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError("", f"{path}: not valid YAML: {err}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError("", f"{path}: top level must be a mapping, got {type(data).__name__}")
+    data = _yaml_mapping(str(path), path.read_text)
     base = data.pop(BASE_KEY, None)
     if base is None:
         return data
