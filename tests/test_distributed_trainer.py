@@ -8,6 +8,8 @@ marker; the one-process run trains 3 steps straight. Both processes train the sa
 order (each logs a digest of what it trained), the final params (the HF export) equal the one-process
 run's, and process 0 alone wrote the metrics, the trained groups and the train log. The two-process run
 publishes on the direct weight path (`cluster.weight_transfer: direct`): both processes offer their pieces.
+Its run directory is a bucket (a local GCS server, tests/gcs_emulator.py): collective Orbax saves to gs://,
+the control files and log there, process 0's records uploaded from the local copy both processes share.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from areal_jax import storage
 from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
 from areal_jax.system.async_rl import load_metrics
+from tests.gcs_emulator import BUCKET, GcsEmulator
 from tests.rollout_log_worker import make_trajectory
 from tests.xla_flags import xla_flags
 
@@ -52,7 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trainer(tmp_path: Path, name: str, devices: int, *args: str) -> subprocess.Popen:
+def _trainer(tmp_path: Path, output_dir: str, name: str, devices: int, *args: str) -> subprocess.Popen:
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))
     env = {
         **os.environ,
@@ -63,16 +67,18 @@ def _trainer(tmp_path: Path, name: str, devices: int, *args: str) -> subprocess.
     }
     flags = [a for a in args if a.startswith("--")]  # before the config: argparse ends `rest` at a flag
     command = [sys.executable, "-m", "areal_jax.cli", "trainer", *flags, *RUN]
-    command += [f"output_dir={tmp_path}", f"name={name}", f"compilation_cache_dir={cache}"]
+    command += [f"output_dir={output_dir}", f"name={name}", f"compilation_cache_dir={cache}"]
+    command += [f"local_copy_dir={tmp_path / 'local-copy'}"]
     command += [a for a in args if not a.startswith("--")]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _two_processes(tmp_path: Path, *args: str) -> list[subprocess.Popen]:
+def _two_processes(tmp_path: Path, output_dir: str, *args: str) -> list[subprocess.Popen]:
     port = _free_port()
     return [
         _trainer(
             tmp_path,
+            output_dir,
             "two",
             4,
             *args,
@@ -86,16 +92,18 @@ def _two_processes(tmp_path: Path, *args: str) -> list[subprocess.Popen]:
     ]
 
 
-def _write_groups_when_ready(run_dir: Path, trainer: subprocess.Popen, groups: range, writer: str) -> None:
+def _write_groups_when_ready(run_dir: str, trainer: subprocess.Popen, groups: range, writer: str) -> None:
     """Once `trainer` (process 0) is ready, append `groups` to the run's log as a rollout server does."""
-    ready = run_dir / "control" / "trainer.json"
+    ready = storage.join(run_dir, "control", "trainer.json")
     deadline = time.monotonic() + 300
-    while not (ready.exists() and json.loads(ready.read_text())["pid"] == trainer.pid):
+    while not (storage.exists(ready) and json.loads(storage.read_text(ready))["pid"] == trainer.pid):
         if trainer.poll() is not None:
             raise AssertionError(f"the trainer ended before it was ready:\n{trainer.communicate()[0][-4000:]}")
         assert time.monotonic() < deadline, "the trainer was not ready in time"
         time.sleep(0.1)
-    with RolloutLogWriter(run_dir / "rollout_log", writer, RolloutLogConfig(max_records=3, max_age_s=60)) as log:
+    with RolloutLogWriter(
+        storage.join(run_dir, "rollout_log"), writer, RolloutLogConfig(max_records=3, max_age_s=60)
+    ) as log:
         for group in groups:
             for sample in range(SAMPLES):
                 length = 16 if sample == 0 else 10 + group % 6  # every step packs to one shape: one compilation
@@ -125,14 +133,15 @@ def _digests(outputs: list[str]) -> dict[int, list[tuple[int, str]]]:
     return by_process
 
 
-def test_trainer_role_over_two_processes_matches_one_and_resumes(tmp_path: Path) -> None:
-    two, one = tmp_path / "two", tmp_path / "one"
-    first = _two_processes(tmp_path, "train_steps=2")
-    single = _trainer(tmp_path, "one", 8, "train_steps=3")
+def test_trainer_role_over_two_processes_matches_one_and_resumes(tmp_path: Path, gcs: GcsEmulator) -> None:
+    bucket = f"gs://{BUCKET}/{tmp_path.name}"
+    two, one = storage.join(bucket, "two"), tmp_path / "one"
+    first = _two_processes(tmp_path, bucket, "train_steps=2")
+    single = _trainer(tmp_path, str(tmp_path), "one", 8, "train_steps=3")
     _write_groups_when_ready(two, first[0], range(2 * GROUPS), "w0")
-    _write_groups_when_ready(one, single, range(3 * GROUPS), "w0")
+    _write_groups_when_ready(str(one), single, range(3 * GROUPS), "w0")
     first_outputs = _finish(first)
-    resumed = _two_processes(tmp_path, "train_steps=3", "--resume")
+    resumed = _two_processes(tmp_path, bucket, "train_steps=3", "--resume")
     _write_groups_when_ready(two, resumed[0], range(2 * GROUPS, 3 * GROUPS), "w1")  # after the restore
     resumed_outputs = _finish(resumed)
     _finish([single])
@@ -144,18 +153,20 @@ def test_trainer_role_over_two_processes_matches_one_and_resumes(tmp_path: Path)
     assert [step for step, _ in digests[0]] == [1, 2, 3]
     assert digests[1] == digests[0]  # both processes trained the same records in the same order
 
-    trained = [json.loads(line) for line in (two / "trained_groups.jsonl").read_text().splitlines()]
+    trained = [json.loads(line) for line in storage.read_text(storage.join(two, "trained_groups.jsonl")).splitlines()]
     assert trained == [json.loads(line) for line in (one / "trained_groups.jsonl").read_text().splitlines()]
     assert [sorted(g for g, _ in row["groups"]) for row in trained] == [
         list(range(s * GROUPS, (s + 1) * GROUPS)) for s in range(3)
     ]
-    metrics = load_metrics(two / "metrics.jsonl")
+    records = tmp_path / "two-records"  # what the bucket holds of process 0's records
+    storage.download_tree(two, records)
+    metrics = load_metrics(records / "metrics.jsonl")
     assert [m["train/version"] for m in metrics] == [1, 2, 3]  # process 0's lines only
     assert all(m["train/skipped_updates"] == 0 and m["train/grad_norm"] > 0 for m in metrics)  # params moved
-    assert "on process 1" not in (two / "train.log").read_text()
-    assert sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
+    assert "on process 1" not in (records / "train.log").read_text()
+    assert sorted(p.name for p in (records / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
 
-    ours = load_file(two / "hf_final" / "model.safetensors")
+    ours = load_file(records / "hf_final" / "model.safetensors")
     reference = load_file(one / "hf_final" / "model.safetensors")
     assert len(ours) > 5 and sorted(ours) == sorted(reference)
     for key, value in reference.items():  # the collectives reduce in another order: equal up to float rounding
