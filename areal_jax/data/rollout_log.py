@@ -36,6 +36,7 @@ decode is reported and skipped, and the shard's other records are read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -65,6 +66,7 @@ _WRITER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 _SHARD_NAME = re.compile(r"(?P<writer>[A-Za-z0-9][A-Za-z0-9-]*)_(?P<shard>\d{8,})_(?P<first>\d{12,})_(?P<count>\d+)")
 _ARRAY_FIELDS = ("token_ids", "behav_logprobs", "versions", "loss_mask")
 _READ_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
+_REMOTE_READERS = 16  # shards fetched at once from gs://
 
 
 class RecordFormatError(ValueError):
@@ -515,8 +517,17 @@ def _read_one(
 
 def logged_group_ids(directory: str | os.PathLike[str]) -> set[int]:
     """The group ids of every readable record in the committed shards of `directory` (a restarted rollout
-    server's view of which of its groups were written)."""
-    return {entry.trajectory.group_id for shard in list_shards(directory) for entry in read_shard(directory, shard)[0]}
+    server's view of which of its groups were written). On gs:// the shards (one per group) are fetched
+    `_REMOTE_READERS` at a time: one after another, a long run's would take minutes."""
+
+    def group_ids(shard: ShardName) -> set[int]:
+        return {entry.trajectory.group_id for entry in read_shard(directory, shard)[0]}
+
+    shards = list_shards(directory)
+    if not storage.is_remote(directory):
+        return set().union(*map(group_ids, shards))
+    with concurrent.futures.ThreadPoolExecutor(_REMOTE_READERS) as pool:
+        return set().union(*pool.map(group_ids, shards))
 
 
 def read_positions(directory: str | os.PathLike[str], positions: Iterable[tuple[str, int]]) -> list[LogEntry]:
