@@ -12,6 +12,7 @@ from areal_jax.data.pipeline import PipelineConfig, build_pipeline, set_aside_un
 from areal_jax.data.rollout_log import (
     RolloutLogConfig,
     RolloutLogWriter,
+    ShardFetcher,
     list_shards,
     logged_group_ids,
     read_positions,
@@ -76,3 +77,28 @@ def test_pipeline_tails_a_gcs_log_and_a_resume_sets_the_unread_shards_aside(gcs:
     restored = iter(build_pipeline(log, config.replace(idle_timeout_s=0.2)))
     restored.set_state(state)
     assert next(restored, None) is None
+
+
+def test_a_reader_fetches_the_next_shards_from_the_bucket_in_the_background(gcs: GcsEmulator) -> None:
+    log = _directory()
+    with RolloutLogWriter(log, "w0", RolloutLogConfig(max_records=1)) as writer:
+        for group in range(5):
+            writer.append(make_trajectory(group, 0))
+    shards = list_shards(log)
+    fetcher = ShardFetcher(log, ahead=3)
+    fetcher.prefetch(shards)
+    fetcher.prefetch(shards)  # already fetching: nothing more
+    assert sorted(fetcher._fetches) == [s.name for s in shards[:3]]
+    downloads = {name: fetch.result() for name, fetch in fetcher._fetches.items()}
+    for shard in shards:  # the first three from their downloads (deleted once read), the rest directly
+        entries, problems = fetcher.read(shard)
+        assert [e.trajectory.group_id for e in entries] == [shard.first_record] and not problems
+    assert not any(path.exists() for path in downloads.values())
+    scratch = fetcher._scratch
+    assert scratch is not None and scratch.is_dir()
+    fetcher.close()
+    assert not scratch.exists()
+
+    local = ShardFetcher("/nonexistent/local/log")
+    local.prefetch(shards)  # a local log is read in place: nothing to fetch
+    assert not local._fetches and local._pool is None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -50,6 +51,7 @@ from areal_jax.data.rollout_log import (
     TMP_PREFIX,
     LogEntry,
     ReadProblem,
+    ShardFetcher,
     ShardName,
     list_shards,
     list_shards_and_ages,
@@ -151,6 +153,7 @@ class RolloutLogIterator(grain.DatasetIterator):
         self._pending: dict[str, collections.deque[ShardName]] = {}  # from the last directory listing
         self._ages: dict[str, int] | None = None  # shard name -> commit time, from a gs:// listing
         self._gap_since: dict[str, float] = {}
+        self._fetcher = ShardFetcher(dataset.directory)  # on gs://: the next shards download meanwhile
 
     @property
     def problems(self) -> int:
@@ -163,6 +166,7 @@ class RolloutLogIterator(grain.DatasetIterator):
 
     def close(self) -> None:
         self.interrupt()
+        self._fetcher.close()
         super().close()
 
     def __next__(self) -> LogEntry:
@@ -178,7 +182,7 @@ class RolloutLogIterator(grain.DatasetIterator):
             self._open(self._wait_for_shard(), start=0)
 
     def _open(self, shard: ShardName, start: int) -> None:
-        entries, problems = read_shard(self._ds.directory, shard, start)
+        entries, problems = self._fetcher.read(shard, start)
         self._problems += len(problems)
         self._shard, self._record = shard, start
         self._entries = collections.deque(entries)
@@ -219,6 +223,12 @@ class RolloutLogIterator(grain.DatasetIterator):
             if shard.shard_seq >= self._next_shard.get(shard.writer_id, 0):
                 pending.setdefault(shard.writer_id, collections.deque()).append(shard)
         self._pending = pending
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Start fetching the shards read next: each writer's next, then each one's second, ..."""
+        rounds = itertools.zip_longest(*self._pending.values())
+        self._fetcher.prefetch(shard for round_ in rounds for shard in round_ if shard is not None)
 
     def _pick(self) -> ShardName | None:
         """The next shard from the last listing: each writer's next in sequence, the oldest file among them
@@ -248,6 +258,7 @@ class RolloutLogIterator(grain.DatasetIterator):
 
         chosen = min(candidates, key=lambda shard: (shard_age(self._ds.directory, shard.name, self._ages), shard.name))
         self._pending[chosen.writer_id].popleft()
+        self._prefetch()
         return chosen
 
     def get_state(self) -> dict[str, Any]:

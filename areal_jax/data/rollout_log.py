@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -503,6 +504,68 @@ def _read_local_shard(
         return entries, problems
     finally:
         reader.close()
+
+
+class ShardFetcher:
+    """Reads shards for one reader thread; on gs:// it downloads the next ones in the background.
+
+    A pipeline reads a log of one shard per group one shard at a time; fetched one after another from GCS
+    (tens of ms each) a step of hundreds of groups would wait seconds on the bucket. `prefetch` starts the
+    downloads of up to `ahead` shards (in the order given) into a private temporary directory; `read`
+    uses a finished download (deleting it after) or reads directly. Locally it only reads. Only its owner
+    thread calls it; the pool's threads only download."""
+
+    def __init__(self, directory: str | os.PathLike[str], ahead: int = _REMOTE_READERS):
+        self.directory = str(directory)
+        self.ahead = ahead
+        self._remote = storage.is_remote(directory)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._scratch: Path | None = None
+        self._fetches: dict[str, concurrent.futures.Future[Path]] = {}
+
+    def prefetch(self, shards: Iterable[ShardName]) -> None:
+        if not self._remote:
+            return
+        for shard in shards:
+            if len(self._fetches) >= self.ahead:
+                return
+            if shard.name not in self._fetches:
+                self._fetches[shard.name] = self._executor().submit(self._download, shard.name)
+
+    def read(self, shard: ShardName, start: int = 0) -> tuple[list[LogEntry], list[ReadProblem]]:
+        """`read_shard(directory, shard, start)`, from a finished download when there is one."""
+        fetch = self._fetches.pop(shard.name, None)
+        if fetch is None:
+            return read_shard(self.directory, shard, start)
+        try:
+            path = fetch.result()
+        except Exception:  # gone since it was listed, a failed request: a direct read reports or retries it
+            return read_shard(self.directory, shard, start)
+        try:
+            return _read_local_shard(path, shard, start, [])
+        finally:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for fetch in self._fetches.values():
+            fetch.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._fetches.clear()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="areal-jax-log-"))
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.ahead, thread_name_prefix="areal-log-fetch")
+        return self._pool
+
+    def _download(self, name: str) -> Path:
+        assert self._scratch is not None
+        path = self._scratch / name
+        storage.download(_shard_location(self.directory, name), path)
+        return path
 
 
 def _read_one(
