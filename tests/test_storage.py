@@ -106,3 +106,16 @@ def test_the_mirror_uploads_what_changed_whole_lines_only_and_a_resume_pulls_the
     assert pull_records(remote, elsewhere) == 3
     pulled = sorted(p.relative_to(elsewhere).as_posix() for p in elsewhere.rglob("*") if p.is_file())
     assert pulled == ["eval/step-2.json", "metrics.jsonl", "old.txt"]
+
+
+def test_sync_returns_once_the_changed_files_are_on_the_bucket(gcs: GcsEmulator, tmp_path: Path) -> None:
+    remote = f"gs://{BUCKET}/{uuid.uuid4().hex}/run"
+    mirror = RunMirror(tmp_path, remote, every_s=3600)  # no periodic sync within the test
+    try:
+        for step in (1, 2):
+            with (tmp_path / "metrics.jsonl").open("a") as metrics:
+                metrics.write(f'{{"train/version": {step}}}\n')
+            mirror.sync()  # what a checkpoint save waits for
+            assert storage.read_text(storage.join(remote, "metrics.jsonl")).count("\n") == step
+    finally:
+        mirror.close()

@@ -83,7 +83,10 @@ def test_restore_params_and_adamw_state_onto_another_mesh_shape(tmp_path: Path) 
 
 
 def test_metadata_must_be_json_and_raw_keys_roundtrip(tmp_path: Path) -> None:
-    checkpointer = TrainCheckpointer(tmp_path, CheckpointConfig(async_save=False))
+    before: list[list[str]] = []  # what the checkpoint directory held each time before_save ran
+    checkpointer = TrainCheckpointer(
+        tmp_path, CheckpointConfig(async_save=False), before_save=lambda: before.append(sorted(os.listdir(tmp_path)))
+    )
     with pytest.raises(TypeError, match="step 1 is not JSON-serialisable"):
         checkpointer.save(1, {"x": jnp.ones(2)}, {"bad": object()})
     raw = jax.random.PRNGKey(3)
@@ -96,7 +99,9 @@ def test_metadata_must_be_json_and_raw_keys_roundtrip(tmp_path: Path) -> None:
     checkpointer.save(5, {"x": jnp.ones(2)}, {})
     with pytest.raises(ValueError, match="step 3 is older than the newest checkpoint 5"):
         checkpointer.save(3, {"x": jnp.ones(2)}, {})
+    checkpointer.save(5, {"x": jnp.ones(2)}, {})  # exists: not written, nothing to run before it
     checkpointer.close()
+    assert len(before) == 1 and "5" not in before[0]  # once, before checkpoint 5 was written
 
 
 def test_sigint_requests_a_save_and_a_second_one_interrupts(tmp_path: Path) -> None:

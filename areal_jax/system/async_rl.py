@@ -173,8 +173,9 @@ def train(
     plan = check_run_dir(cfg, resume, overwrite, latest)  # every process: the same refusals
     processes.barrier("areal-run-dir-checked")  # before process 0 changes what the others check
     processes.on_primary(lambda: start_run_dir(cfg, plan))
-    with _records_mirror(cfg, resume, processes):
-        return _train(cfg, trainer_mesh, rollouts, checkpoints, processes, resume, stop_event, started)
+    with _records_mirror(cfg, resume, processes) as mirror:
+        before_save = mirror.sync if mirror is not None else None  # records up to a checkpoint before it
+        return _train(cfg, trainer_mesh, rollouts, checkpoints, before_save, processes, resume, stop_event, started)
 
 
 def _records_mirror(cfg: ExperimentConfig, resume: bool, processes: TrainerProcesses) -> Any:
@@ -196,6 +197,7 @@ def _train(
     trainer_mesh: Mesh,
     rollouts: Callable[[_TrainingRun], RolloutSide],
     checkpoints: str,
+    before_save: Callable[[], None] | None,
     processes: TrainerProcesses,
     resume: bool,
     stop_event: threading.Event | None,
@@ -215,7 +217,7 @@ def _train(
             temperature=cfg.rollout.workflow.sampling.temperature,
             reference_params=nnx.state(model) if kl else None,  # the starting policy (also on --resume)
         )
-        checkpointer = TrainCheckpointer(checkpoints, cfg.train_checkpoint)
+        checkpointer = TrainCheckpointer(checkpoints, cfg.train_checkpoint, before_save=before_save)
         checkpointer.install_signal_handlers()
         try:
             training = _TrainingRun(cfg, model, trainer, checkpointer, stream, heldout, workflow, stop_event, processes)

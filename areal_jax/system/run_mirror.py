@@ -92,7 +92,7 @@ class RunMirror:
             raise ValueError(f"a run mirror uploads to a gs:// location, not {remote}")
         self.local, self.remote, self.every_s, self.only = Path(local), remote, every_s, only
         self.uploads = 0
-        self._requests: queue.Queue[str] = queue.Queue()
+        self._requests: queue.Queue[str | threading.Event] = queue.Queue()  # an Event: set once synced
         self._uploaded = {} if fresh else self._scan()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="areal-run-mirror")
@@ -101,6 +101,14 @@ class RunMirror:
     def sync_soon(self) -> None:
         """Upload what changed now rather than at the next period."""
         self._requests.put(_SYNC)
+
+    def sync(self) -> None:
+        """Upload what changed now and return once it is uploaded (raises what made it fail)."""
+        done = threading.Event()
+        self._requests.put(done)
+        done.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def close(self) -> None:
         """Upload what changed one last time and stop; raises what made the last upload fail."""
@@ -127,6 +135,8 @@ class RunMirror:
             except Exception as err:  # a bucket hiccup: the next sync tries again; close reports the last
                 logger.warning("uploading the run's records to %s failed (trying again): %s", self.remote, err)
                 self._failure = err
+            if isinstance(request, threading.Event):
+                request.set()
             if request == _STOP:
                 return
 

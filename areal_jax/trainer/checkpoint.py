@@ -213,9 +213,18 @@ class TrainCheckpointer:
     STATE = "state"
     METADATA = "metadata"
 
-    def __init__(self, directory: str | os.PathLike[str], config: CheckpointConfig | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        config: CheckpointConfig | None = None,
+        *,
+        before_save: Callable[[], None] | None = None,
+    ):
+        """`before_save` runs before each checkpoint is written (a gs:// run uploads its records up to the
+        step first, so a crash never leaves a checkpoint newer than the bucket's metrics)."""
         self.directory = directory
         self.config = config or CheckpointConfig()
+        self.before_save = before_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.config.max_to_keep,
             enable_async_checkpointing=self.config.async_save,
@@ -312,6 +321,8 @@ class TrainCheckpointer:
                 json.dumps(record)
             except (TypeError, ValueError) as err:
                 raise TypeError(f"checkpoint metadata at step {step} is not JSON-serialisable: {err}") from None
+            if self.before_save is not None:
+                self.before_save()
             started = time.perf_counter()
             nonfinite = nonfinite_leaves(state)
             if nonfinite:
