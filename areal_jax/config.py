@@ -44,6 +44,11 @@ class ExperimentConfig(Config):
         doc="where a run whose output_dir is gs:// keeps the local copy of its records (metrics, logs, "
         "TensorBoard, plots, evaluations), uploaded as they change",
     )
+    local_copy_upload_s: float = option(
+        30.0,
+        gt=0,
+        doc="a gs:// run uploads its changed records this often (and before each checkpoint, and at the end)",
+    )
     seed: int = option(0, ge=0, doc="seed of parameter init, data order and sampling")
     tokenizer: str | None = option(
         None, doc="'char' (synthetic tasks) or a directory with tokenizer.json; null = hf_checkpoint's, else 'char'"

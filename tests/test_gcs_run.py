@@ -1,15 +1,18 @@
 """A run whose directory is a gs:// bucket (a local GCS server, tests/gcs_emulator.py): `areal-jax launch
 local` with a trainer and a rollout server that meet only through the bucket (control files, rollout log,
 Orbax weight versions polled by the server, checkpoints), the trainer's records uploaded from its local
-copy; then resumed from another local copy (a new host), which continues the bucket's records; then
-evaluated from the bucket."""
+copy. The trainer is SIGKILLed after its second checkpoint; the run is resumed from another local copy (a
+new host), which continues the bucket's records without a gap or a repeat; then evaluated from the
+bucket."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -20,6 +23,7 @@ from areal_jax.data.rollout_log import list_shards, read_shard
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from tests.gcs_emulator import BUCKET, GcsEmulator
 
+STEPS = 8
 RUN = [
     "configs/train_cpu.yaml",
     "rollout.staleness.batch_prompts=4",
@@ -36,11 +40,12 @@ RUN = [
     "cluster.status_every_s=0.2",
     "cluster.weights_poll_s=0.1",
     "cluster.weight_transfer=orbax",  # the server must see each new version in the bucket's listing
+    "local_copy_upload_s=3600",  # records reach the bucket before each checkpoint and at the end only
     "name=run",
 ]
 
 
-def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flags: str) -> str:
+def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flags: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "areal_jax.cli", "launch", "local", "--rollout", "1", *flags, *RUN]
     command += [
         f"train_steps={steps}",
@@ -49,44 +54,58 @@ def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flag
         f"compilation_cache_dir={tmp_path / 'xla'}",
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout + done.stderr
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _metrics(location: str) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(location).splitlines() if line.strip()]
 
 
-def test_a_run_on_a_bucket_trains_resumes_elsewhere_and_keeps_its_records_there(
+def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps_its_records(
     gcs: GcsEmulator, tmp_path: Path
 ) -> None:
     output_dir = f"gs://{BUCKET}/{uuid.uuid4().hex}"
     run = storage.join(output_dir, "run")
+    checkpoints = storage.join(run, "checkpoints")
     first_copy, second_copy = tmp_path / "host-a", tmp_path / "host-b"
-    _launch(tmp_path, output_dir, first_copy, 3)
+    launcher = _launch(tmp_path, output_dir, first_copy, STEPS)
+    try:
+        deadline = time.monotonic() + 300
+        while (TrainCheckpointer.latest_in(checkpoints) or 0) < 4:
+            assert launcher.poll() is None, launcher.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "no checkpoint 4 in time"
+            time.sleep(0.5)
+        trainer = json.loads(storage.read_text(storage.join(run, "control", "trainer.json")))["pid"]
+        os.kill(trainer, signal.SIGKILL)  # no final checkpoint, no last upload of its records
+        output = launcher.communicate(timeout=120)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0, output[-3000:]
+    killed_at = TrainCheckpointer.latest_in(checkpoints)
+    assert killed_at is not None and 4 <= killed_at < STEPS
 
     # the shared files are in the bucket, nothing of them on the local disk
     names = storage.names(run)
     for entry in (".areal-run", "config.yaml", "checkpoints", "weights", "rollout_log", "control", "metrics.jsonl"):
         assert entry in names, names
     local = load_experiment(None, [f"output_dir={output_dir}", "name=run", f"local_copy_dir={first_copy}"]).run_dir
-    assert local.is_relative_to(first_copy)
-    assert (local / "metrics.jsonl").is_file()
+    assert local.is_relative_to(first_copy) and (local / "metrics.jsonl").is_file()
     assert not any((local / entry).exists() for entry in ("checkpoints", "weights", "rollout_log", "control"))
-    assert TrainCheckpointer.latest_in(storage.join(run, "checkpoints")) == 3
-    assert [m["train/version"] for m in _metrics(storage.join(run, "metrics.jsonl"))] == [1, 2, 3]
-    assert storage.read_text(storage.join(run, "metrics.jsonl")) == (local / "metrics.jsonl").read_text()
+    # every step up to the newest checkpoint has its record on the bucket: they were uploaded before it
+    uploaded = [m["train/version"] for m in _metrics(storage.join(run, "metrics.jsonl"))]
+    assert uploaded[:killed_at] == list(range(1, killed_at + 1)), uploaded
     # the server started on version 0 (nothing to train before its groups) and found later ones in the bucket
     status = json.loads(storage.read_text(storage.join(run, "control", "rollout-0.json")))
     assert status["weights_version"] >= 1 and status["weights_orbax_loads"] >= 1, status
 
     # resumed on "another host": its local copy starts empty and is filled from the bucket
-    output = _launch(tmp_path, output_dir, second_copy, 5, "--resume")
-    assert "resumed from step 3" in output, output[-3000:]
-    metrics = _metrics(storage.join(run, "metrics.jsonl"))
-    assert [m["train/version"] for m in metrics] == [1, 2, 3, 4, 5]
-    assert TrainCheckpointer.latest_in(storage.join(run, "checkpoints")) == 5
+    resumed = _launch(tmp_path, output_dir, second_copy, STEPS, "--resume")
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"resumed from step {killed_at}" in output, output[-3000:]
+    assert [m["train/version"] for m in _metrics(storage.join(run, "metrics.jsonl"))] == list(range(1, STEPS + 1))
+    assert TrainCheckpointer.latest_in(checkpoints) == STEPS
 
     log = storage.join(run, "rollout_log")
     entries = [e.trajectory for shard in list_shards(log) for e in read_shard(log, shard)[0]]
@@ -98,8 +117,8 @@ def test_a_run_on_a_bucket_trains_resumes_elsewhere_and_keeps_its_records_there(
         if line.strip()
     ]
     groups = [g for line in trained for g, _ in line["groups"]]
-    assert [line["version"] for line in trained] == [1, 2, 3, 4, 5]
-    assert len(groups) == len(set(groups)) == 5 * 4  # every step trained 4 groups, none twice
+    assert [line["version"] for line in trained] == list(range(1, STEPS + 1))
+    assert len(groups) == len(set(groups)) == STEPS * 4  # every step trained 4 groups, none twice
 
     # evaluated straight from the bucket: its newest training checkpoint, the report written next to it
     command = [sys.executable, "-m", "areal_jax.cli", "eval", "--checkpoint", run, "dataset.heldout=4"]
@@ -107,4 +126,4 @@ def test_a_run_on_a_bucket_trains_resumes_elsewhere_and_keeps_its_records_there(
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     report = json.loads(storage.read_text(storage.join(run, "eval", "eval.json")))
-    assert "training checkpoint 5" in report["checkpoint"] and report["overall"]["prompts"] == 4
+    assert f"training checkpoint {STEPS}" in report["checkpoint"] and report["overall"]["prompts"] == 4

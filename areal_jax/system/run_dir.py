@@ -60,6 +60,7 @@ RESUME_MAY_CHANGE = (
     "name",
     "output_dir",
     "local_copy_dir",
+    "local_copy_upload_s",
     "train_steps",
     "train_checkpoint.*",
     "profile.*",

@@ -161,7 +161,7 @@ def mirroring(
     if not storage.is_remote(cfg.run_location):
         yield None
         return
-    mirror = RunMirror(cfg.run_dir, cfg.run_location, only=only, fresh=fresh)
+    mirror = RunMirror(cfg.run_dir, cfg.run_location, every_s=cfg.local_copy_upload_s, only=only, fresh=fresh)
     try:
         yield mirror
     finally:
