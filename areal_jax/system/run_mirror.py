@@ -6,9 +6,10 @@ trained_groups.jsonl, evaluation reports, the HF export, profiles) are appended 
 libraries that need a local file. They are written into `cfg.run_dir`, the run's local copy, and a
 `RunMirror` thread uploads every file that changed: every `every_s` seconds (`local_copy_upload_s`), when
 asked (`sync`, which waits: the trainer calls it before writing each checkpoint, so the bucket always holds
-the records up to its newest checkpoint) and once more when it closes. Each upload replaces the object whole, so a reader of the bucket sees a file as
-it was at some sync, never a part of one; of a `.jsonl` file only its whole lines (the trainer may be
-appending one), so a run killed at any moment leaves records its resume can parse.
+the records up to its newest checkpoint) and once more when it closes. Each upload replaces the object
+whole, so a reader of the bucket sees a file as it was at some sync, never a part of one; of a `.jsonl` file
+only its whole lines (the trainer may be appending one), so a run killed at any moment leaves records its
+resume can parse.
 
 The bucket is the truth: a trainer starting a new run empties its local copy (records of an earlier run of
 the same name on this host must not be uploaded into the new one); a resumed trainer fills it from the
