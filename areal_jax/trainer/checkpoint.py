@@ -69,6 +69,11 @@ class CheckpointConfig(Config):
 
 
 MANIFEST = "areal_manifest.json"
+# Orbax names its cross-process barriers by fixed strings ("ThreadSaveMultiHostValueHolder:set_value_start",
+# per-step keys): two CheckpointManagers saving at once in one multi-process program (these checkpoints and
+# the weight versions, `weights/orbax_store.py`) would meet in each other's barriers and deadlock. A prefix
+# per manager keeps their barriers apart.
+BARRIER_PREFIX = "areal-train"
 _CHUNK = 8 << 20
 
 
@@ -229,6 +234,7 @@ class TrainCheckpointer:
             max_to_keep=self.config.max_to_keep,
             enable_async_checkpointing=self.config.async_save,
             cleanup_tmp_directories=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX),
         )
         self._manager = ocp.CheckpointManager(
             checkpoint_location(directory), item_names=(self.STATE, self.METADATA), options=options

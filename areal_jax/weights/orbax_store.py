@@ -34,6 +34,10 @@ from areal_jax.weights.base import LoadedWeights, checkpoint_location, poll_for_
 
 logger = logging.getLogger(__name__)
 
+# Its own namespace for Orbax's cross-process barriers, apart from the training checkpoints' (their saves
+# overlap; see `trainer/checkpoint.py: BARRIER_PREFIX`).
+BARRIER_PREFIX = "areal-weights"
+
 _LOAD_ATTEMPTS = 5
 
 
@@ -66,6 +70,7 @@ class OrbaxWeightPublisher:
             async_options=ocp.AsyncOptions(post_finalization_callback=self._written) if async_save else None,
             enable_background_delete=True,
             cleanup_tmp_directories=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX),
         )
         self._manager = ocp.CheckpointManager(
             checkpoint_location(directory), options=options, item_handlers=_handler(compress)
