@@ -157,3 +157,22 @@ def test_sigterm_saves_exits_cleanly_and_the_checkpoint_restores(tmp_path: Path)
     assert restored.step == step and restored.verified  # the manifest was written before the worker exited
     assert restored.metadata == {"policy_version": step, "step": step}
     np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.full((8, 4), float(step)))
+
+
+def test_checkpoints_and_weight_versions_keep_their_orbax_barriers_apart(tmp_path: Path) -> None:
+    """Orbax names cross-process barriers by fixed strings; a trainer over several processes saves weight
+    versions and checkpoints at once, and with one namespace their barriers met and deadlocked (seen in
+    test_distributed_trainer: 'Barrier ThreadSaveMultiHostValueHolder:set_value_start is already ongoing')."""
+    from areal_jax.weights import OrbaxWeightPublisher
+
+    checkpointer = TrainCheckpointer(tmp_path / "checkpoints", CheckpointConfig(async_save=False))
+    publisher = OrbaxWeightPublisher(tmp_path / "weights", async_save=False)
+    try:
+        prefixes = {
+            manager._options.multiprocessing_options.barrier_sync_key_prefix
+            for manager in (checkpointer._manager, publisher._manager)
+        }
+        assert len(prefixes) == 2 and None not in prefixes
+    finally:
+        checkpointer.close()
+        publisher.close()
