@@ -41,12 +41,14 @@ class GcsEmulator:
     @property
     def env(self) -> dict[str, str]:
         """What points gcsfs (STORAGE_EMULATOR_HOST) and TensorStore (TENSORSTORE_GCS_HTTP_URL) here;
-        gcsfs's bucket-type probe (a gRPC call the emulator does not serve) off."""
+        gcsfs's bucket-type probe (a gRPC call the emulator does not serve) and google-auth's metadata-server
+        probe off (the tests use no credentials)."""
         return {
             "STORAGE_EMULATOR_HOST": self.url,
             "TENSORSTORE_GCS_HTTP_URL": self.url,
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
             "GOOGLE_CLOUD_PROJECT": "areal-test",
+            "NO_GCE_CHECK": "true",  # google-auth: no probe of a GCE metadata server for credentials
         }
 
     def apply(self) -> None:
