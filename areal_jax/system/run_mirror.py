@@ -76,9 +76,9 @@ class RunMirror:
     """Uploads the files below `local` that changed to the same relative paths below the gs:// `remote`.
 
     `only` limits it to those top-level entries (a rollout server uploads its `eval/` reports, a trainer
-    process other than 0 its profile). Files present when it starts count as uploaded unless `fresh`: a
-    trainer's local copy was just emptied or pulled from the bucket, and anything else on the host (an
-    earlier run's leftovers) is not this process's to upload. The thread alone keeps the list of what was
+    process other than 0 its profile). Files present when it starts count as uploaded: a trainer's local
+    copy was just emptied or pulled from the bucket, and anything else on the host (an earlier run's
+    leftovers) is not this process's to upload. The thread alone keeps the list of what was
     uploaded; others send it requests through a queue."""
 
     def __init__(
@@ -88,14 +88,13 @@ class RunMirror:
         *,
         every_s: float = 30.0,
         only: frozenset[str] | None = None,
-        fresh: bool = False,
     ):
         if not storage.is_remote(remote):
             raise ValueError(f"a run mirror uploads to a gs:// location, not {remote}")
         self.local, self.remote, self.every_s, self.only = Path(local), remote, every_s, only
         self.uploads = 0
         self._requests: queue.Queue[str | threading.Event] = queue.Queue()  # an Event: set once synced
-        self._uploaded = {} if fresh else self._scan()
+        self._uploaded = self._scan()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, daemon=True, name="areal-run-mirror")
         self._thread.start()
@@ -156,14 +155,12 @@ class RunMirror:
 
 
 @contextlib.contextmanager
-def mirroring(
-    cfg: ExperimentConfig, *, only: frozenset[str] | None = None, fresh: bool = False
-) -> Iterator[RunMirror | None]:
+def mirroring(cfg: ExperimentConfig, *, only: frozenset[str] | None = None) -> Iterator[RunMirror | None]:
     """A `RunMirror` of `cfg.run_dir` for the time of the block, for a gs:// run (None for a local one)."""
     if not storage.is_remote(cfg.run_location):
         yield None
         return
-    mirror = RunMirror(cfg.run_dir, cfg.run_location, every_s=cfg.local_copy_upload_s, only=only, fresh=fresh)
+    mirror = RunMirror(cfg.run_dir, cfg.run_location, every_s=cfg.local_copy_upload_s, only=only)
     try:
         yield mirror
     finally:
