@@ -286,18 +286,11 @@ class EvalReport:
             console.width = max(console.width, Measurement.get(console, unbounded, table).maximum)
         console.print(table)
 
-    def write(self, directory: str | Path) -> tuple[str | Path, str | Path]:
-        """Write `eval.json` and `eval.md` into `directory` (created; local or gs://); returns their paths."""
-        if storage.is_remote(directory):
-            json_location, md_location = storage.join(directory, "eval.json"), storage.join(directory, "eval.md")
-            storage.write_atomic(json_location, json.dumps(self.as_json(), indent=1) + "\n")
-            storage.write_atomic(md_location, self.markdown())
-            return json_location, md_location
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        json_path, md_path = directory / "eval.json", directory / "eval.md"
-        json_path.write_text(json.dumps(self.as_json(), indent=1) + "\n")
-        md_path.write_text(self.markdown())
+    def write(self, directory: str | Path) -> tuple[str, str]:
+        """Write `eval.json` and `eval.md` into `directory` (local, created, or gs://); returns their paths."""
+        json_path, md_path = storage.join(directory, "eval.json"), storage.join(directory, "eval.md")
+        storage.write_atomic(json_path, json.dumps(self.as_json(), indent=1) + "\n")
+        storage.write_atomic(md_path, self.markdown())
         return json_path, md_path
 
 
@@ -542,9 +535,7 @@ def check_eval_length(cfg: ExperimentConfig) -> None:
         )
 
 
-def run_eval(
-    cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | Path
-) -> tuple[EvalReport, str | Path, str | Path]:
+def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | Path) -> tuple[EvalReport, str, str]:
     """`areal-jax eval`: load the checkpoint onto the inference mesh, evaluate it on `cfg.eval`'s prompts
     with `cfg`'s workflow and reward, and write the report into `output_dir`."""
     # imported here, not at the top: assembly imports areal_jax.config, which imports this module for EvalConfig

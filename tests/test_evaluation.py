@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -111,11 +112,11 @@ def test_metrics_match_a_hand_computation_per_source_and_overall(setup, tmp_path
     assert report.scalars()["eval/other/avg@k"] == report.by_source["other"].avg_at_k
 
     json_path, md_path = report.write(tmp_path / "out")
-    written = json.loads(json_path.read_text())
+    written = json.loads(Path(json_path).read_text())
     assert written["overall"] == pytest.approx(report.overall.as_dict())
     assert written["by_source"]["other"]["prompts"] == 3 and len(written["samples"]) == 24
     assert written["sampling"]["temperature"] == 1.0 and written["sampling"]["max_new_tokens"] == 4
-    table = md_path.read_text()
+    table = Path(md_path).read_text()
     assert "| source | prompts | samples | pass@1 | avg@4 | pass@4 |" in table
     for source, metrics in [*report.by_source.items(), ("overall", report.overall)]:
         assert f"| {source} | {metrics.prompts} | {metrics.samples} | {metrics.pass_at_1:.3f} |" in table

@@ -86,7 +86,10 @@ def test_the_mirror_uploads_what_changed_whole_lines_only_and_a_resume_pulls_the
     trainer = RunMirror(local, remote, every_s=3600)  # what it finds counts as the bucket's already
     with (local / "metrics.jsonl").open("a") as metrics:
         metrics.write('{"train/version": 2}\n{"train/version": 3')  # line 3 half-written
+    (local / "warm_start" / "checkpoint").mkdir(parents=True)  # a shared entry's local copy: the bucket's own
+    (local / "warm_start" / "checkpoint" / "model.safetensors").write_bytes(b"weights")
     trainer.sync()
+    assert not storage.exists(storage.join(remote, "warm_start"))
     assert storage.read_text(storage.join(remote, "metrics.jsonl")).splitlines() == [
         '{"train/version": 1}',
         '{"train/version": 2}',

@@ -47,6 +47,12 @@ RUN_ENTRIES = (
     CONFIG_FILE,
     MARKER,
 )
+# The entries that cross between processes and hosts, written straight to the run directory (on gs://
+# too); the others are the trainer's records, which a gs:// run writes into its local copy
+# (`system/run_mirror.py`).
+SHARED_ENTRIES = frozenset(
+    ("checkpoints", "rollout_log", "rollout_log_unused", "weights", "control", WARM_START_DIR, CONFIG_FILE, MARKER)
+)
 # The entries that mean an earlier run got going (its config and marker alone are a run that never started;
 # a warm start alone is what `areal-jax sft` leaves for the run to use).
 _EARLIER_RUN = tuple(name for name in RUN_ENTRIES if name not in (CONFIG_FILE, MARKER, WARM_START_DIR))

@@ -29,25 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from areal_jax import storage
+from areal_jax.system.run_dir import SHARED_ENTRIES
 
 if TYPE_CHECKING:
     from areal_jax.config import ExperimentConfig
 
 logger = logging.getLogger(__name__)
 
-# Entries of a gs:// run directory that are not records: written to the bucket directly, never mirrored.
-SHARED_ENTRIES = frozenset(
-    {
-        "checkpoints",
-        "weights",
-        "rollout_log",
-        "rollout_log_unused",
-        "control",
-        "warm_start",
-        ".areal-run",
-        "config.yaml",
-    }
-)
 # Records a resumed trainer does not need locally (large, and never appended to).
 NOT_PULLED = frozenset({"profile", "hf_final"})
 
@@ -99,10 +87,6 @@ class RunMirror:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="areal-run-mirror")
         self._thread.start()
 
-    def sync_soon(self) -> None:
-        """Upload what changed now rather than at the next period."""
-        self._requests.put(_SYNC)
-
     def sync(self) -> None:
         """Upload what changed now and return once it is uploaded (raises what made it fail)."""
         done = threading.Event()
@@ -119,7 +103,8 @@ class RunMirror:
             raise self._failure
 
     def _scan(self) -> dict[str, tuple[int, int]]:
-        files = _files(self.local)
+        """The records below `local`: never a shared entry (a warm start copied down, a run's own files)."""
+        files = {path: stat for path, stat in _files(self.local).items() if path.split("/", 1)[0] not in SHARED_ENTRIES}
         if self.only is None:
             return files
         return {path: stat for path, stat in files.items() if path.split("/", 1)[0] in self.only}
