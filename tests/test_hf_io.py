@@ -2,9 +2,11 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from areal_jax.models.hf_io import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
@@ -27,8 +29,10 @@ def test_round_trip_is_bit_exact_and_transformers_loads_export(variant, dtype, t
 
     make_hf_checkpoint(variant, tmp_path / "src", dtype=dtype)
     cfg, model = load_hf_checkpoint(tmp_path / "src")
-    assert cfg.param_dtype == dtype
+    assert cfg.param_dtype == "float32" and cfg.export_dtype == dtype  # fp32 master params, exported as stored
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model)))
     save_hf_checkpoint(cfg, model, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == dtype
     original, exported = _all_tensors(tmp_path / "src"), _all_tensors(tmp_path / "out")
     assert set(exported) <= set(original)
     for name, array in exported.items():

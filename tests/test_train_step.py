@@ -177,10 +177,22 @@ def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
     assert "ppo/pg_loss" in stats and "train/skipped_updates" in stats and "ppo/iw_mean" not in stats
 
 
-def test_train_step_refuses_bf16_master_params_and_rows_that_do_not_split():
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(TINY.replace(param_dtype="bfloat16"), nnx.Rngs(0))))
-    with pytest.raises(ValueError, match="param_dtype is 'bfloat16'"):
-        TrainStep(graphdef, state, CONFIG, single_device_mesh(), temperature=TEMPERATURE)
+def test_bf16_params_are_updated_in_bf16_when_the_user_chooses_them(caplog):
+    graphdef, state = nnx.split(Decoder(TINY.replace(param_dtype="bfloat16"), nnx.Rngs(0)))
+    config = CONFIG.replace(ppo=CONFIG.ppo.replace(decoupled=False))
+    with caplog.at_level("WARNING"):
+        step = TrainStep(graphdef, state, config, single_device_mesh(), temperature=TEMPERATURE)
+    assert "no float32 master copy" in caplog.text
+    (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
+    params, opt_state = step.init(state)
+    # lowered, not compiled: the update keeps bf16 params and Adam moments shaped like them
+    lowered = step._update.lower(step.program, params, opt_state, step.put_batch(batch), None, None, jnp.int32(0))
+    new_params, new_opt_state, _ = lowered.out_info
+    assert {leaf.dtype for leaf in jax.tree.leaves(new_params)} == {jnp.dtype(jnp.bfloat16)}
+    assert jnp.dtype(jnp.bfloat16) in {leaf.dtype for leaf in jax.tree.leaves(new_opt_state)}
+
+
+def test_train_step_refuses_rows_that_do_not_split():
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(TINY, nnx.Rngs(0))))
     step = TrainStep(graphdef, state, CONFIG, make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)), temperature=TEMPERATURE)
     rows_6 = PackedBatch(*(np.zeros((1, 6, 8), np.int32) for _ in PackedBatch._fields))

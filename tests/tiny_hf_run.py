@@ -144,9 +144,11 @@ def padded_vocab_size(tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // 64) * 64 + 64
 
 
-def tiny_qwen2_config(vocab_size: int) -> ModelConfig:
-    """A Qwen2-shaped model small enough to train on CPU in seconds."""
+def tiny_qwen2_config(vocab_size: int, dtype: str = "bfloat16") -> ModelConfig:
+    """A Qwen2-shaped model small enough to train on CPU in seconds, stored in `dtype` (bf16, as every Qwen and
+    Llama checkpoint ships)."""
     return ModelConfig(
+        export_dtype=dtype,
         family="qwen2",
         vocab_size=vocab_size,
         hidden_size=32,
@@ -168,13 +170,14 @@ def make_tiny_qwen2_checkpoint(
     padded_vocab: int | None = None,
     *,
     tokenizer_dir: Path | None = None,
+    dtype: str = "bfloat16",
 ) -> Path:
-    """Write a tiny random Qwen2 HF checkpoint whose embedding has `padded_vocab` rows (default
-    `padded_vocab_size(tokenizer_vocab)`), plus the tokenizer files of `tokenizer_dir` when given."""
+    """Write a tiny random Qwen2 HF checkpoint stored in `dtype` whose embedding has `padded_vocab` rows
+    (default `padded_vocab_size(tokenizer_vocab)`), plus the tokenizer files of `tokenizer_dir` when given."""
     vocab = padded_vocab_size(tokenizer_vocab) if padded_vocab is None else padded_vocab
     if vocab < tokenizer_vocab:
         raise ValueError(f"padded_vocab={vocab} is smaller than the tokenizer's {tokenizer_vocab} ids")
-    cfg = tiny_qwen2_config(vocab)
+    cfg = tiny_qwen2_config(vocab, dtype)
     save_hf_checkpoint(cfg, create_decoder(cfg, seed, mesh=None), directory)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:

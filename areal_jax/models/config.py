@@ -10,6 +10,9 @@ import jax.numpy as jnp
 from areal_jax.configuration import Config, ConfigError, option
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# How HF checkpoints store weights (config.json `dtype` / `torch_dtype`): read into `param_dtype`, written back in
+# the checkpoint's own.
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,17 @@ class ModelConfig(Config):
     qk_norm: bool = option(False, doc="RMSNorm on each head of q and k before RoPE (Qwen3)")
     tie_word_embeddings: bool = option(False, doc="lm head shares the embedding matrix")
     max_position_embeddings: int = option(4096, ge=1, doc="longest supported sequence")
-    param_dtype: Literal["float32", "bfloat16"] = option("float32", doc="storage dtype of parameters")
+    param_dtype: Literal["float32", "bfloat16"] = option(
+        "float32",
+        doc="dtype the parameters are held and updated in: float32 master params whatever the checkpoint stores "
+        "(bfloat16 halves their memory; the trainer then updates bf16 weights, losing updates below a weight's "
+        "bf16 resolution)",
+    )
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = option(
+        None,
+        doc="dtype of exported HF checkpoints; null = the dtype of the HF checkpoint the run started from "
+        "(float32 for a random init)",
+    )
     compute_dtype: Literal["float32", "bfloat16"] = option("float32", doc="matmul dtype; norms/softmax stay fp32")
     remat: Literal["none", "full", "dots"] = option("none", doc="rematerialise each layer in the backward pass")
     scan_layers: bool = option(
@@ -96,6 +109,11 @@ class ModelConfig(Config):
     @property
     def compute_jnp_dtype(self) -> jnp.dtype:
         return DTYPES[self.compute_dtype]
+
+    @property
+    def resolved_export_dtype(self) -> str:
+        """The dtype an HF export writes: `export_dtype`, else `param_dtype`."""
+        return self.export_dtype if self.export_dtype is not None else self.param_dtype
 
     def num_params(self) -> int:
         """Parameter count, embeddings included."""

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from areal_jax.models.config import ModelConfig, RopeScalingConfig
+from areal_jax.models.config import CHECKPOINT_DTYPES, ModelConfig, RopeScalingConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.sharding import state_shardings
 
@@ -34,8 +34,11 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
-_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-_HF_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_NUMPY_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
 # Tensors some checkpoints carry that the model derives or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -47,8 +50,18 @@ class CheckpointError(ValueError):
 # -- config.json <-> ModelConfig ----------------------------------------------------------------
 
 
+def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
+    """The dtype an HF `config.json` says its weights are stored in (float32 when it says none)."""
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    if dtype not in CHECKPOINT_DTYPES:
+        raise CheckpointError(f"config.json dtype {dtype!r} is not supported; supported: {list(CHECKPOINT_DTYPES)}")
+    return dtype
+
+
 def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """ModelConfig from the dict of an HF `config.json`; `overrides` set our own fields (dtypes, remat)."""
+    """ModelConfig from the dict of an HF `config.json`; `overrides` set our own fields (dtypes, remat). The
+    weights load into float32 unless `param_dtype` is overridden, whatever the checkpoint stores; exports
+    are written in the checkpoint's own dtype unless `export_dtype` is overridden."""
     archs = hf.get("architectures") or []
     family = _FAMILY_BY_ARCH.get(archs[0]) if archs else hf.get("model_type")
     if family not in ARCHITECTURES:
@@ -76,7 +89,6 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
             high_freq_factor=float(scaling_dict["high_freq_factor"]),
             original_max_position_embeddings=int(scaling_dict["original_max_position_embeddings"]),
         )
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     fields: dict[str, Any] = {
         "family": family,
         "vocab_size": hf["vocab_size"],
@@ -93,7 +105,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         "qk_norm": family == "qwen3",
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
-        "param_dtype": "bfloat16" if dtype == "bfloat16" else "float32",
+        "export_dtype": checkpoint_dtype(hf),
         "initializer_range": float(hf.get("initializer_range", 0.02)),
     }
     fields.update(overrides)
@@ -125,7 +137,7 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
         "initializer_range": cfg.initializer_range,
-        "dtype": _HF_DTYPE_NAMES[cfg.param_dtype],
+        "dtype": cfg.resolved_export_dtype,
         "use_cache": True,
     }
     if cfg.family == "llama":
@@ -297,15 +309,17 @@ def _array_from_file(
 
 
 def load_hf_checkpoint(
-    directory: str | Path, mesh: Mesh | None = None, **config_overrides: Any
+    directory: str | Path, mesh: Mesh | None = None, config: ModelConfig | None = None, **config_overrides: Any
 ) -> tuple[ModelConfig, Decoder]:
-    """Load an HF Qwen2/Qwen3/Llama directory into a `Decoder`, each tensor placed on its sharding
-    under `mesh` (or on the default device). `config_overrides` set ModelConfig fields."""
+    """Load an HF Qwen2/Qwen3/Llama directory into a `Decoder`, each tensor read in its stored dtype and
+    placed in `param_dtype` on its sharding under `mesh` (or on the default device). The model's config is
+    `config` when given (made from this checkpoint's config.json), else config.json with `config_overrides`
+    setting ModelConfig fields."""
     directory = Path(directory)
     config_file = directory / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{config_file} not found")
-    cfg = model_config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+    cfg = config or model_config_from_hf(json.loads(config_file.read_text()), **config_overrides)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is not None:
@@ -348,10 +362,12 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def iter_hf_tensors(cfg: ModelConfig, model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, array) for every tensor of `model`, in HF layout, one parameter on the host at a time."""
+    """(HF name, array) for every tensor of `model`, in HF layout and `cfg`'s export dtype (rounded to
+    nearest), one parameter on the host at a time."""
     flat_state = dict(nnx.to_flat_state(nnx.state(model)))
+    dtype = _NUMPY_DTYPES[cfg.resolved_export_dtype]
     for path, mapping in tensor_mappings(cfg).items():
-        value = _to_host(flat_state[path].get_value())
+        value = _to_host(flat_state[path].get_value()).astype(dtype, copy=False)
         for layer in range(cfg.num_layers) if mapping.per_layer else [None]:
             parts = mapping.to_hf(value if layer is None else value[layer])
             for name, part in zip(_hf_names(mapping, layer), parts, strict=True):

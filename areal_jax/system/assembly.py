@@ -6,6 +6,7 @@ vocabulary is written here once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -53,14 +54,48 @@ def build_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh]:
     return make_mesh(cfg.mesh, inference), make_mesh(cfg.mesh, trainer)
 
 
+# The fields of `model` that are run-time choices, not architecture: they apply over an HF checkpoint.
+RUN_TIME_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "logprob_chunk", "attention_impl")
+# Fields derived per run (the tokenizer's vocabulary) or given by the checkpoint unless the user sets them.
+_DERIVED_FIELDS = ("vocab_limit", "export_dtype")
+
+
 def hf_load_options(model: ModelConfig) -> dict[str, Any]:
     """The run-time choices of `model` that an HF checkpoint does not carry; every HF load passes these."""
-    return {
-        "compute_dtype": model.compute_dtype,
-        "remat": model.remat,
-        "logprob_chunk": model.logprob_chunk,
-        "attention_impl": model.attention_impl,
-    }
+    options = {name: getattr(model, name) for name in RUN_TIME_FIELDS}
+    if model.export_dtype is not None:
+        options["export_dtype"] = model.export_dtype
+    return options
+
+
+def check_architecture_overrides(model: ModelConfig, checkpoint: ModelConfig, source: str) -> None:
+    """Refuse a `model.*` architecture value the user set (it differs from the default) that the HF checkpoint
+    at `source` contradicts: the checkpoint fixes the architecture, only `RUN_TIME_FIELDS` apply over it."""
+    default = ModelConfig()
+    for field in dataclasses.fields(ModelConfig):
+        name = field.name
+        if name in RUN_TIME_FIELDS or name in _DERIVED_FIELDS:
+            continue
+        wanted, given = getattr(model, name), getattr(checkpoint, name)
+        if wanted != getattr(default, name) and wanted != given:
+            raise ConfigError(
+                f"model.{name}",
+                f"value {wanted!r} contradicts the HF checkpoint {source!r}, whose {name} is {given!r}: the "
+                f"checkpoint fixes the architecture; remove the override (run-time choices that apply over a "
+                f"checkpoint: {', '.join('model.' + n for n in RUN_TIME_FIELDS)}, model.export_dtype)",
+            )
+
+
+def _checkpoint_config(cfg: ExperimentConfig, source: str, tokenizer: Tokenizer) -> ModelConfig:
+    """The architecture of the HF checkpoint at `source` with the run's `model.*` run-time choices over it."""
+    hf = _hf_config(source)
+    limit = _vocab_limit(int(hf["vocab_size"]), tokenizer, "hf_checkpoint")
+    try:
+        config = model_config_from_hf(hf, vocab_limit=limit, **hf_load_options(cfg.model))
+    except ConfigError as err:  # a run-time choice the checkpoint's architecture cannot take
+        raise err.under("model") from None
+    check_architecture_overrides(cfg.model, config, source)
+    return config
 
 
 def _vocab_limit(model_vocab: int, tokenizer: Tokenizer, key: str) -> int | None:
@@ -76,9 +111,7 @@ def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
     tokenizer's, without reading any weights."""
     if cfg.hf_checkpoint is None:
         return cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
-    hf = _hf_config(cfg.hf_checkpoint)
-    limit = _vocab_limit(int(hf["vocab_size"]), tokenizer, "hf_checkpoint")
-    return model_config_from_hf(hf, vocab_limit=limit, **hf_load_options(cfg.model))
+    return _checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
 
 
 def abstract_policy(cfg: ExperimentConfig, tokenizer: Tokenizer) -> Decoder:
@@ -114,8 +147,8 @@ def load_policy(
         source = str(warm_start_checkpoint(cfg, tokenizer))
     if source is None:
         return random_policy(cfg, mesh, tokenizer)
-    limit = _vocab_limit(int(_hf_config(source)["vocab_size"]), tokenizer, "hf_checkpoint")
-    _, model = load_hf_checkpoint(source, mesh=mesh, vocab_limit=limit, **hf_load_options(cfg.model))
+    config = _checkpoint_config(cfg, source, tokenizer)
+    _, model = load_hf_checkpoint(source, mesh=mesh, config=config)
     return model
 
 

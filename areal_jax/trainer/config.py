@@ -2,7 +2,8 @@
 objective and packing sub-sections.
 
 Numerics ("fp32 master params + bf16 compute"): the trainer keeps its parameters and the Adam moments in
-`ModelConfig.param_dtype`, which must be float32 (the master copy every update is applied to); the matmuls
+`ModelConfig.param_dtype`: float32 by default, whatever dtype the HF checkpoint stores (the master copy every
+update is applied to; bfloat16 when the user sets it, with a warning that small updates are lost); the matmuls
 run in `ModelConfig.compute_dtype`, because the decoder casts each weight to it where it is used, and the
 gradient flows back through that cast into the fp32 master. `TrainerConfig.compute_dtype` overrides the
 model's compute dtype for the trainer only (e.g. bf16 training of a model whose sampler computes in fp32).

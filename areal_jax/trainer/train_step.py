@@ -19,6 +19,7 @@ Legend: M micro-batches, B rows, L row length.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from functools import partial
 from typing import Any
@@ -38,6 +39,8 @@ from areal_jax.objectives.stats import count_loss_tokens, merge_stats
 from areal_jax.sharding import logical_to_spec, state_shardings
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
+
+logger = logging.getLogger(__name__)
 
 # apply_if_finite gives up and applies a non-finite update after this many in a row; the trainer never does
 # (a run whose every update is skipped stops itself after trainer.max_skipped_steps steps)
@@ -278,9 +281,11 @@ class TrainStep:
     ):
         model_config = nnx.merge(graphdef, params).config
         if model_config.param_dtype != "float32":
-            raise ValueError(
-                f"model param_dtype is {model_config.param_dtype!r}; the trainer keeps float32 master params "
-                "(use param_dtype='float32' with compute_dtype='bfloat16' for bf16 compute)"
+            logger.warning(
+                "model.param_dtype is %r: the trainer updates %s weights directly (no float32 master copy); an "
+                "update below a weight's resolution in that dtype (~0.4%% of it for bfloat16) is lost",
+                model_config.param_dtype,
+                model_config.param_dtype,
             )
         if config.compute_dtype not in ("model", model_config.compute_dtype):
             model_config = model_config.replace(compute_dtype=config.compute_dtype)
