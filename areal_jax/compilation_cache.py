@@ -24,7 +24,7 @@ def enable_compilation_cache(directory: str | os.PathLike[str] | None) -> None:
         return
     location = os.fspath(directory)
     if "://" not in location:
-        location = str(Path(location).absolute())
+        location = str(Path(location).expanduser().absolute())
     jax.config.update("jax_compilation_cache_dir", location)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -18,9 +18,12 @@ Legend: S slots, T cache length, V vocab, Y layers, K kv heads, H head dim.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Literal
 
 import flax.struct
@@ -34,6 +37,8 @@ from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache, segment_ends
+from areal_jax.models.serving_weights import cast_for_serving, needs_cast
+from areal_jax.progress import Progress
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -185,6 +190,8 @@ class Engine:
             out_shardings=(self._decode_shardings, emitted_sharding),
         )
         self._layer_states = jax.jit(lambda state: nnx.merge(self.graphdef, state).layer_states())
+        cast = needs_cast(state, self.model_config)
+        self._serving_cast = jax.jit(partial(cast_for_serving, cfg=self.model_config)) if cast else None
         self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
 
     # -- JetStream Engine API ---------------------------------------------------------------------
@@ -201,8 +208,17 @@ class Engine:
     def samples_per_slot(self) -> int:
         return 1
 
+    @property
+    def casts_weights(self) -> bool:
+        """Whether `load_params` stores the weights in other dtypes (`models.serving_weights`: bf16 matmul
+        weights for bf16 compute); its result then never aliases the arrays it was given."""
+        return self._serving_cast is not None
+
     def load_params(self, state: nnx.State, version: int) -> VersionedParams:
-        """Place weights on the engine's shardings (no host round trip when they are already on device)."""
+        """Place weights on the engine's shardings (no host round trip when they are already on device), each
+        in its serving dtype (`casts_weights`)."""
+        if self._serving_cast is not None:
+            state = self._serving_cast(state)  # where `state` lives: the transfer then moves the smaller arrays
         state = jax.device_put(state, self.param_shardings)
         layers = self._layer_states(state) if self.layer_copies else None
         return VersionedParams(state=state, version=version, layers=layers)
@@ -233,7 +249,8 @@ class Engine:
         return padded, n
 
     def prefill(self, params: VersionedParams, padded_tokens: np.ndarray, true_length: int) -> Prefix:
-        return self._prefill(params.state, jnp.asarray(padded_tokens), jnp.asarray(true_length, jnp.int32))
+        # host arrays go to the program as they are (each jnp.asarray would compile a staging program per shape)
+        return self._prefill(params.state, np.asarray(padded_tokens, np.int32), np.int32(true_length))
 
     def insert(
         self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling: SamplingParams, key: jax.Array
@@ -243,11 +260,11 @@ class Engine:
         return self._insert(
             prefix,
             decode_state,
-            jnp.asarray(slot, jnp.int32),
+            np.int32(slot),
             jax.random.key_data(key),
-            jnp.float32(sampling.temperature),
+            np.float32(sampling.temperature),
             top_k,
-            jnp.float32(sampling.top_p),
+            np.float32(sampling.top_p),
         )
 
     def prefill_batch(self, params: VersionedParams, prompts: Sequence[Sequence[int]]) -> PrefixBatch:
@@ -263,7 +280,7 @@ class Engine:
         for row, (tokens, length) in enumerate(padded):
             tokens_BxT[row, :length] = tokens[:length]
             lengths_B[row] = length
-        return self._prefill_batch(params.state, jnp.asarray(tokens_BxT), jnp.asarray(lengths_B))
+        return self._prefill_batch(params.state, tokens_BxT, lengths_B)
 
     def insert_batch(
         self,
@@ -303,8 +320,11 @@ class Engine:
     def warmup(self, params: VersionedParams, single_prompt_api: bool = False) -> None:
         """Compile every program the generator can need (batched prefill and insert at each row and length
         bucket, generate at each cache-prefix bucket), so no request pays a compilation later. The
-        one-prompt `prefill`/`insert` of the JetStream API are compiled too with `single_prompt_api`."""
-        warm_up(self, params, single_prompt_api)
+        one-prompt `prefill`/`insert` of the JetStream API are compiled too with `single_prompt_api`.
+
+        The programs are compiled, not run (at real size on CPU running them all costs minutes), several at
+        once (XLA compiles outside the GIL): one per CPU core, at most `WARMUP_THREADS`."""
+        compile_programs(self, params, single_prompt_api)
 
     # -- compiled bodies -----------------------------------------------------------------------
 
@@ -405,17 +425,90 @@ class Engine:
         return new_state, emitted
 
 
+# Programs `Engine.warmup` compiles at once: each XLA compile holds its own memory, so not one per core on a
+# big host.
+WARMUP_THREADS = 4
+
+
+def _specs(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> object:
+    """The outputs of a compiled program as abstract arrays with their shardings: what a call receiving them
+    is lowered with."""
+    return jax.tree.map(
+        lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
+        lowered.out_info,
+        compiled.output_shardings,
+    )
+
+
+def _host(shape: tuple[int, ...], dtype: type) -> jax.ShapeDtypeStruct:
+    """A host (numpy) argument of an engine call, as its program sees it."""
+    return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+
+
+def compile_programs(engine: Engine, params: VersionedParams, single_prompt_api: bool = False) -> None:
+    """`Engine.warmup`: every program lowered with the arguments its calls pass (abstract where they are host
+    data or another program's output) and compiled, in a thread pool; nothing runs."""
+    decode_state = engine.init_decode_state()
+    state, layers = params.state, params.layers
+    i32, u32, f32 = np.int32, np.uint32, np.float32
+
+    def batched(bucket: int, rows: int) -> None:
+        lowered = engine._prefill_batch.lower(state, _host((rows, bucket), i32), _host((rows,), i32))
+        compiled = lowered.compile()
+        host = (_host((rows,), i32), _host((rows, 2), u32), _host((rows,), f32), _host((rows,), i32))
+        engine._insert_batch.lower(_specs(lowered, compiled), decode_state, *host, _host((rows,), f32)).compile()
+
+    def single(bucket: int) -> None:
+        lowered = engine._prefill.lower(state, _host((bucket,), i32), _host((), i32))
+        prefix = _specs(lowered, lowered.compile())
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # key_data of a device key
+        args = (_host((), i32), key, _host((), f32), _host((), i32), _host((), f32))
+        engine._insert.lower(prefix, decode_state, *args).compile()
+
+    def generate(bucket: int) -> None:
+        engine._generate.lower(
+            state, layers, decode_state, None if bucket == engine.config.max_length else bucket
+        ).compile()
+
+    tasks = [(f"decode step attending {b} positions", generate, (b,)) for b in engine.buckets]
+    tasks += [
+        (f"prefill and insert of {r} prompts, length {b}", batched, (b, r))
+        for b in engine.buckets
+        for r in engine.prefill_rows
+    ]
+    if single_prompt_api:
+        tasks += [(f"prefill and insert of one prompt, length {b}", single, (b,)) for b in engine.buckets]
+    programs = len(engine.buckets) * (1 + 2 * len(engine.prefill_rows) + (2 if single_prompt_api else 0))
+    progress = Progress(f"engine warm-up: compiling {programs} programs, tasks", len(tasks), log=logger)
+    threads = max(1, min(WARMUP_THREADS, os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="areal-warmup") as pool:
+        futures = {pool.submit(fn, *args): what for what, fn, args in tasks}
+        for future in concurrent.futures.as_completed(futures):
+            future.result()
+            progress.advance(futures[future])
+    progress.done(f"{len(engine.buckets)} length buckets x {len(engine.prefill_rows)} row buckets, {threads} at once")
+
+
 def warm_up(engine: Engine, params: VersionedParams, single_prompt_api: bool = False) -> None:
-    """`Engine.warmup` through `engine`'s public calls (so an engine that mirrors them warms up its mirrors)."""
+    """Warm-up through `engine`'s public calls, which run each program once (so an engine that mirrors them,
+    `system.mirrored_engine`, warms up its mirrors)."""
     decode_state = engine.init_decode_state()
     sampling = SamplingParams()
+    per_bucket = 2 * len(engine.prefill_rows) + 1 + (2 if single_prompt_api else 0)
+    progress = Progress("engine warm-up: programs compiled", per_bucket * len(engine.buckets), log=logger)
     for bucket in engine.buckets:
         length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
         if single_prompt_api:
             prefix = engine.prefill(params, np.zeros(bucket, np.int32), length)
             decode_state = engine.insert(prefix, decode_state, 0, sampling, jax.random.key(0))
+            progress.advance(f"prefill and insert of one prompt, length {bucket}")
+            progress.advance()
         for rows in engine.prefill_rows:
             batch = engine.prefill_batch(params, [[1] * length] * rows)
+            progress.advance(f"prefill of {rows} prompts, length {bucket}")
             decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
+            progress.advance(f"insert of {rows} prompts, length {bucket}")
         decode_state, result = engine.generate(params, decode_state, max_position=length)
+        progress.advance(f"decode step attending {bucket} positions")
     jax.block_until_ready(result)
+    progress.done(f"{len(engine.buckets)} length buckets x {len(engine.prefill_rows)} row buckets")

@@ -13,6 +13,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # How HF checkpoints store weights (config.json `dtype` / `torch_dtype`): read into `param_dtype`, written back in
 # the checkpoint's own.
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+# The fp32 logits one log-prob chunk builds at once, when `logprob_chunk` is null.
+LOGITS_CHUNK_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,13 @@ class ModelConfig(Config):
         "so XLA:CPU neither copies each layer's weights out of the stack nor stacks their gradients (faster "
         "train steps for shallow models on CPU: docs/benchmarks.md), compile time growing with depth",
     )
-    logprob_chunk: int = option(512, ge=1, doc="tokens per chunk when turning hidden states into log-probs")
+    logprob_chunk: int | None = option(
+        None,
+        ge=1,
+        doc="tokens per chunk when turning hidden states into log-probs (a chunk's [tokens, vocab] logits exist at "
+        "once); null = the power of two whose fp32 logits fill about 256 MiB (256 tokens at Qwen's 151,936 ids), "
+        "64..8192",
+    )
     attention_impl: Literal["xla"] = option("xla", doc="attention kernel; 'xla' is the portable one")
     initializer_range: float = option(0.02, gt=0, doc="std of the normal init of fresh weights")
 
@@ -96,6 +104,15 @@ class ModelConfig(Config):
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def resolved_logprob_chunk(self) -> int:
+        """Tokens per log-prob chunk: `logprob_chunk`, else the power of two whose fp32 logits fill about
+        LOGITS_CHUNK_BYTES, within 64..8192."""
+        if self.logprob_chunk is not None:
+            return self.logprob_chunk
+        fits = max(1, LOGITS_CHUNK_BYTES // (4 * self.vocab_size))
+        return min(8192, max(64, 1 << (fits.bit_length() - 1)))
 
     @property
     def usable_vocab(self) -> int:

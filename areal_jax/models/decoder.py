@@ -11,7 +11,7 @@ Every path masks the logits of embedding rows past the tokenizer (`vocab_limit`)
 `mask_padded_vocab`, so nothing samples them and every softmax is over the same usable ids.
 
 Legend: B batch rows (or cache slots), T length, S cache length, D model width, V vocab,
-Y layers, K key/value heads, H head dim, C chunk length.
+Y layers, K key/value heads, H head dim, C chunk length, M = B * T positions, J chunks.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class Decoder(nnx.Module):
         h_BxTxD = self.hidden_states(tokens_BxT, segment_ids_BxT, positions_BxT)
         cfg = self.config
         return chunked_logprobs(
-            h_BxTxD, self.head_kernel(), targets_BxT, cfg.logprob_chunk, temperature, cfg.usable_vocab
+            h_BxTxD, self.head_kernel(), targets_BxT, cfg.resolved_logprob_chunk, temperature, cfg.usable_vocab
         )
 
     # -- (b) prefill --------------------------------------------------------------------------
@@ -329,32 +329,32 @@ def chunked_logprobs(
     """Log-prob of each target and the entropy of each position's distribution, [B, T] fp32, over the
     first `usable_vocab` ids (null: all).
 
-    The sequence is cut into chunks of `chunk` tokens; each chunk's [B, C, V] logits are built, reduced
-    and dropped (and rebuilt in the backward pass), so memory is O(B * C * V), not O(B * T * V).
+    The B x T positions are cut into chunks of `chunk` tokens (across rows: a chunk is `chunk` tokens
+    whatever the row count); each chunk's [C, V] logits are built, reduced and dropped (and rebuilt in the
+    backward pass), so memory is O(C * V), not O(B * T * V).
     """
     b, t, d = h_BxTxD.shape
     usable_vocab = kernel_DxV.shape[1] if usable_vocab is None else usable_vocab
-    chunk = min(chunk, t)
-    n_chunks = -(-t // chunk)
-    pad = n_chunks * chunk - t
+    m = b * t
+    chunk = min(chunk, m)
+    n_chunks = -(-m // chunk)
+    pad = n_chunks * chunk - m
+    h_MxD, targets_M = h_BxTxD.reshape(m, d), targets_BxT.reshape(m)
     if pad:
-        h_BxTxD = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
-        targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
-    h_NxBxCxD = h_BxTxD.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
-    targets_NxBxC = targets_BxT.reshape(b, n_chunks, chunk).swapaxes(0, 1)
+        h_MxD = jnp.pad(h_MxD, ((0, pad), (0, 0)))
+        targets_M = jnp.pad(targets_M, (0, pad))
 
     @jax.checkpoint
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h_BxCxD, targets_BxC = args
-        logits_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, kernel_DxV, preferred_element_type=jnp.float32)
-        logits_BxCxV = mask_padded_vocab(logits_BxCxV / temperature, usable_vocab)
-        lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-        target_logit_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[:, :, None], axis=-1)[:, :, 0]
-        probs_BxCxV = jax.nn.softmax(logits_BxCxV, axis=-1)
-        entropy_BxC = lse_BxC - jnp.sum(probs_BxCxV * logits_BxCxV, axis=-1)
-        return target_logit_BxC - lse_BxC, entropy_BxC
+        h_CxD, targets_C = args
+        logits_CxV = jnp.einsum("cd,dv->cv", h_CxD, kernel_DxV, preferred_element_type=jnp.float32)
+        logits_CxV = mask_padded_vocab(logits_CxV / temperature, usable_vocab)
+        lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+        target_logit_C = jnp.take_along_axis(logits_CxV, targets_C[:, None], axis=-1)[:, 0]
+        probs_CxV = jax.nn.softmax(logits_CxV, axis=-1)
+        entropy_C = lse_C - jnp.sum(probs_CxV * logits_CxV, axis=-1)
+        return target_logit_C - lse_C, entropy_C
 
-    logp_NxBxC, entropy_NxBxC = jax.lax.map(one_chunk, (h_NxBxCxD, targets_NxBxC))
-    logp_BxT = logp_NxBxC.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
-    entropy_BxT = entropy_NxBxC.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
-    return logp_BxT, entropy_BxT
+    chunks = (h_MxD.reshape(n_chunks, chunk, d), targets_M.reshape(n_chunks, chunk))
+    logp_JxC, entropy_JxC = jax.lax.map(one_chunk, chunks)
+    return logp_JxC.reshape(-1)[:m].reshape(b, t), entropy_JxC.reshape(-1)[:m].reshape(b, t)

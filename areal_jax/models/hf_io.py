@@ -28,6 +28,7 @@ from safetensors.numpy import save_file
 
 from areal_jax.models.config import CHECKPOINT_DTYPES, ModelConfig, RopeScalingConfig
 from areal_jax.models.decoder import Decoder
+from areal_jax.progress import Progress
 from areal_jax.sharding import state_shardings
 
 logger = logging.getLogger(__name__)
@@ -336,19 +337,24 @@ def load_hf_checkpoint(
     if unmapped:
         raise CheckpointError(f"no HF mapping for parameters {sorted(unmapped)}")
     dtype = _NUMPY_DTYPES[cfg.param_dtype]
+    progress = Progress(f"loading HF checkpoint {directory}: parameters", len(flat_abstract), log=logger)
     with ExitStack() as stack:
         reader = _SafetensorsReader(directory, stack)
         shapes = {path: tuple(var.get_value().shape) for path, var in flat_abstract.items()}
         _check_tensors(reader, mappings, shapes, cfg)
-        loaded = {
-            path: var.replace(
-                _array_from_file(
-                    reader, mappings[path], shapes[path], dtype, flat_shardings[path].get_value(), cfg.num_layers
-                )
+        loaded = {}
+        for path, var in flat_abstract.items():
+            array = _array_from_file(
+                reader, mappings[path], shapes[path], dtype, flat_shardings[path].get_value(), cfg.num_layers
             )
-            for path, var in flat_abstract.items()
-        }
+            loaded[path] = var.replace(array)
+            progress.advance("/".join(map(str, path)))
     state = nnx.from_flat_state(loaded)
+    nbytes = sum(v.get_value().nbytes for v in loaded.values())
+    progress.done(
+        f"{cfg.num_params() / 1e6:.0f}M parameters stored as {cfg.export_dtype or 'float32'}, held as "
+        f"{cfg.param_dtype} ({nbytes / 2**30:.2f} GiB)"
+    )
     return cfg, nnx.merge(graphdef, state)
 
 

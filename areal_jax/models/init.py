@@ -19,3 +19,11 @@ def create_decoder(cfg: ModelConfig, seed: int, mesh: Mesh | None = None) -> Dec
     shardings = state_shardings(abstract_state, mesh)
     state = jax.jit(lambda: nnx.state(Decoder(cfg, nnx.Rngs(seed))), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
+
+
+def abstract_like(model: Decoder) -> Decoder:
+    """`model` with each array replaced by its shape, dtype and sharding: what an engine or a restore target
+    needs, holding no memory (the arrays are freed once nothing else refers to them)."""
+    graphdef, state = nnx.split(model)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    return nnx.merge(graphdef, abstract)

@@ -44,12 +44,13 @@ from areal_jax.evaluation import evaluate
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.init import abstract_like
 from areal_jax.profiling import ProfileWindow
+from areal_jax.progress import heartbeat
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.workflow import RolloutWorkflow
-from areal_jax.sharding import copy_to, state_shardings
 from areal_jax.system import resources
 from areal_jax.system.assembly import (
     build_meshes,
@@ -66,7 +67,7 @@ from areal_jax.system.trainer_processes import SharedBatches, TrainerProcesses
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target
-from areal_jax.weights.in_process import InProcessPublisher
+from areal_jax.weights.in_process import InProcessPublisher, unaliased_for
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +218,7 @@ def _train(
             temperature=cfg.rollout.workflow.sampling.temperature,
             reference_params=nnx.state(model) if kl else None,  # the starting policy (also on --resume)
         )
+        model = abstract_like(model)  # the trainer holds its own copy: the loaded arrays are freed
         checkpointer = TrainCheckpointer(checkpoints, cfg.train_checkpoint, before_save=before_save)
         checkpointer.install_signal_handlers()
         try:
@@ -301,8 +303,7 @@ class InProcessRollouts:
     def serving(self, trainer: Trainer, on_failure: Callable[[], None]) -> Iterator[None]:
         cfg = self.cfg
         engine = Engine(self.model, cfg.rollout.engine, self.inference_mesh)
-        inference_params = copy_to(trainer.params, state_shardings(trainer.params, self.inference_mesh))
-        params = engine.load_params(inference_params, trainer.version)
+        params = engine.load_params(unaliased_for(engine, trainer.params), trainer.version)
         engine.warmup(params)
         resources.record_mesh(cfg.run_location, "rollout-0", self.inference_mesh)
         self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
@@ -528,10 +529,12 @@ class _TrainingRun:
         cfg, trainer = self.cfg, self.trainer
         trace = _RewardTrace()
         primary = self.processes.primary
+        first_version = trainer.version
         with self.groups_path.open("a") if primary else contextlib.nullcontext() as trained_groups:
             while trainer.version < cfg.train_steps and not self._stop_agreed():
                 waiting = time.perf_counter()
-                batch = self._take_batch() if self.shared is None else self.shared.next(trainer.version + 1)
+                with self._first_batch_heartbeat(trainer.version == first_version):
+                    batch = self._take_batch() if self.shared is None else self.shared.next(trainer.version + 1)
                 if batch is None:
                     break
                 waited = time.perf_counter() - waiting
@@ -558,6 +561,17 @@ class _TrainingRun:
         if self._stop_agreed():
             self._save_now()
         return trace
+
+    def _first_batch_heartbeat(self, first: bool) -> contextlib.AbstractContextManager[None]:
+        """While the first batch of this process's run is awaited: what the rollout side has made so far."""
+        if not first:
+            return contextlib.nullcontext()
+        groups = self.cfg.rollout.staleness.batch_prompts
+        rollouts = self.rollouts
+        return heartbeat(
+            f"waiting for the first batch ({groups} groups)",
+            lambda: f"{rollouts.generation_tokens()} tokens generated in this process",
+        )
 
     def _take_batch(self) -> list[Trajectory] | None:
         """Process 0: the next batch to train from the pipeline, or None to stop (the data ran out, or the

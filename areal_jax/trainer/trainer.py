@@ -115,6 +115,7 @@ class Trainer:
         self.planner = planner
         self.version = version
         self.skipped_updates = 0
+        self._shapes_seen: set[tuple[int, ...]] = set()
 
     @property
     def graphdef(self) -> nnx.GraphDef:
@@ -125,6 +126,10 @@ class Trainer:
         started = time.perf_counter()
         batch = build_batch(trajectories, self.config, self.planner)
         minibatches = [self.train_step.put_batch(mb) for mb in batch.minibatches]
+        new_shapes = sorted({tuple(mb.tokens.shape) for mb in batch.minibatches} - self._shapes_seen)
+        if new_shapes:
+            logger.info("trainer: compiling the step for mini-batch shape %s [M, B, L] (once per shape)", new_shapes)
+            self._shapes_seen.update(new_shapes)
 
         def logprobs(params: nnx.State | None) -> list[jax.Array | None]:
             if params is None:
@@ -141,6 +146,8 @@ class Trainer:
             stats_P.append(stats)
         stats = merge_minibatch_stats(jax.device_get(stats_P))
         elapsed = time.perf_counter() - started
+        if new_shapes:
+            logger.info("trainer: the step of the new shape compiled and ran in %.1f s", elapsed)
         self.skipped_updates += int(stats["train/skipped_updates"])
         self.version += 1
         stats.update(batch.stats)

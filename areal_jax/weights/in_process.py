@@ -13,12 +13,20 @@ import time
 
 from flax import nnx
 
+from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.sharding import copy_to
 from areal_jax.weights.base import tree_nbytes
 
 logger = logging.getLogger(__name__)
+
+
+def unaliased_for(engine: Engine, params: nnx.State) -> nnx.State:
+    """What to hand `engine.load_params` of trainer params the trainer donates to its next step: the params
+    themselves when the engine stores cast copies of them (`Engine.casts_weights`), else a device-to-device
+    copy onto its shardings."""
+    return params if engine.casts_weights else copy_to(params, engine.param_shardings)
 
 
 class InProcessPublisher:
@@ -34,9 +42,9 @@ class InProcessPublisher:
     def __call__(self, params: nnx.State, version: int) -> None:
         """Publish `params` as `version`; returns once the generator uses them and admission follows."""
         started = time.perf_counter()
-        copied = copy_to(params, self.generator.engine.param_shardings)
-        self.generator.update_params(copied, version, interrupt=self.interrupt).result()
+        source = unaliased_for(self.generator.engine, params)
+        self.generator.update_params(source, version, interrupt=self.interrupt).result()
         self.staleness.set_version(version)
         logger.debug(
-            "published v%d in process: %d bytes in %.3f s", version, tree_nbytes(copied), time.perf_counter() - started
+            "published v%d in process: %d bytes in %.3f s", version, tree_nbytes(source), time.perf_counter() - started
         )
