@@ -49,6 +49,8 @@ def test_serving_copy_changes_no_result():
     lengths = jnp.asarray([12, 7], jnp.int32)
     (want, want_cache), (got, got_cache) = model.prefill(tokens, lengths), served.prefill(tokens, lengths)
     np.testing.assert_array_equal(want, got)
+    for a, b in zip(jax.tree.leaves(want_cache), jax.tree.leaves(got_cache), strict=True):
+        np.testing.assert_array_equal(a, b)
     cache = KVCache.zeros(model.config, 2, 16)
     np.testing.assert_array_equal(
         model.decode_step(tokens[:, 0], lengths - 1, cache)[0], served.decode_step(tokens[:, 0], lengths - 1, cache)[0]
