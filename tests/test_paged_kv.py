@@ -16,6 +16,7 @@ from areal_jax.inference.generator import Generator
 from areal_jax.inference.paged import PageAllocator, PagedSlots
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.attention import masked_attention, xla_paged_decode_attention
+from areal_jax.sharding import MeshConfig, make_mesh
 from tests.conftest import CompileCounter
 from tests.engine_fixtures import TINY, tiny_model
 
@@ -140,11 +141,11 @@ def _configs(**common):
 
 
 def test_paged_equals_dense_with_64_slots_mixed_lengths_and_an_interruption(model):
-    """80 greedy requests (prompts of 1..30 tokens, 1..50 new) through 64 slots: the same tokens and
+    """72 greedy requests (prompts of 1..24 tokens, 1..40 new) through 64 slots: the same tokens and
     log-probs as the dense cache, with and without a weight update that interrupts every sample; every
     page is back in the free list at the end."""
-    dense_config, paged_config = _configs(max_slots=64, max_length=96, max_prefill_batch=8, page_size=8)
-    requests = _requests(80, prompt_cap=30, new_cap=50)
+    dense_config, paged_config = _configs(max_slots=64, max_length=64, max_prefill_batch=8, page_size=8)
+    requests = _requests(72, prompt_cap=24, new_cap=40)
     dense, _, _ = _run(model, dense_config, requests)
     paged, stats, free = _run(model, paged_config, requests)
     _assert_same(dense, paged)
@@ -212,8 +213,23 @@ def test_64_slots_at_32k_tokens_hold_only_the_pages_in_use(model):
     assert free == pool
 
 
+def test_sharded_paged_generation_equals_single_device_dense(model):
+    """On a (data 2, fsdp 2, tensor 2) mesh: the pools split over the 2 KV heads, the same tokens as one
+    device's dense cache."""
+    requests = _requests(12, prompt_cap=20, new_cap=20)
+    dense, _, _ = _run(model, EngineConfig(max_slots=4, max_length=64), requests)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    engine = Engine(model, EngineConfig(max_slots=4, max_length=64, kv_cache="paged", page_size=8), mesh=mesh)
+    pool = engine.init_decode_state().cache.k[0]
+    assert pool.sharding.spec[0] == "tensor" and pool.addressable_shards[0].data.shape[0] == 1
+    with Generator(engine, engine.load_params(nnx.state(model), 0)) as gen:
+        futures = [gen.submit(p, s) for p, s in requests]
+        paged = [future.result(timeout=120)[0] for future in futures]
+    _assert_same(dense, paged)
+
+
 def test_after_warmup_a_paged_generator_never_compiles(model):
-    config = EngineConfig(max_slots=4, max_length=64, max_prefill_batch=4, kv_cache="paged", page_size=8, num_pages=12)
+    config = EngineConfig(max_slots=4, max_length=64, max_prefill_batch=2, kv_cache="paged", page_size=8, num_pages=12)
     engine = Engine(model, config)
     params = engine.load_params(nnx.state(model), 0)
     engine.warmup(params)
