@@ -283,7 +283,7 @@ class GeneratorStats:
     busy_slot_steps: int = 0
     preemptions: int = 0  # samples sent back to the queue for want of KV pages (paged cache)
     admission_waits: int = 0  # admissions stopped at a sample whose KV pages were not free (paged cache)
-    pages_in_use: int = 0  # KV pages held by samples after the last dispatch (paged cache)
+    pages_in_use: int = 0  # KV pages held by samples during the last decode step (paged cache)
     peak_pages_in_use: int = 0
     busy_seconds: float = 0.0  # wall time the loop spent working (not waiting for requests): the planner's rate
 
@@ -670,6 +670,8 @@ class Generator:
                 if not self._has_active():
                     return None
             page_updates = self._pages.take_updates()
+            self.stats.pages_in_use = self._pages.allocator.num_used  # held during this step
+            self.stats.peak_pages_in_use = max(self.stats.peak_pages_in_use, self.stats.pages_in_use)
         active = [(slot, sample) for slot, sample in enumerate(self._slots) if sample is not None]
         max_position = max(self._position(sample) for _, sample in active)
         if page_updates is None:
@@ -687,9 +689,6 @@ class Generator:
             sampling = sample.request.sampling
             if emitted_count >= sampling.max_new_tokens or self._position(sample) >= self.engine.config.max_length:
                 self._free_slot(slot)
-        if self._pages is not None:
-            self.stats.pages_in_use = self._pages.allocator.num_used
-            self.stats.peak_pages_in_use = max(self.stats.peak_pages_in_use, self.stats.pages_in_use)
         return _Step(active, self.params.version, emitted)
 
     def _handle(self, step: _Step) -> None:
