@@ -108,8 +108,6 @@ class EngineConfig(Config):
             raise ConfigError(
                 "min_prefill_bucket", f"value {self.min_prefill_bucket} exceeds max_length={self.max_length}"
             )
-        if self.kv_cache not in ("dense", "paged"):
-            raise ConfigError("kv_cache", f"value {self.kv_cache!r} is not one of 'dense', 'paged'")
         if self.num_pages is not None and self.num_pages < self.max_pages:
             raise ConfigError(
                 "num_pages",
