@@ -10,6 +10,11 @@
   place; the decode state is donated), samples each slot's next token, and returns the tokens it fed
   with their behaviour log-probs. A slot's first `generate` thus emits the token sampled at insert.
 
+The KV cache is dense (`kv_cache: dense`: [slots, max_length] per layer, whatever the tokens in flight)
+or paged (`kv_cache: paged`, `paged.py`): pages of `page_size` tokens from one pool, a page table per
+slot. A paged engine's `insert_batch` takes each row's pages and its `generate` the step's page-table
+changes; the caller (the generator) owns the allocator.
+
 The decoder's logits arrive with ids past the model's `vocab_limit` masked, so no slot ever samples
 an id the tokenizer cannot decode. Params are versioned (`VersionedParams`); the version is host-side
 bookkeeping for the generator.
@@ -34,6 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PagedSlots, PrefixEntries, pages_for
 from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache, segment_ends
@@ -62,6 +68,42 @@ class EngineConfig(Config):
         "doubles the engine's layer-weight memory. auto: on for CPU devices only",
     )
 
+    kv_cache: Literal["dense", "paged"] = option(
+        "dense",
+        doc="dense: max_slots x max_length per layer; paged: pages of page_size tokens from a pool of num_pages, "
+        "handed to sequences as they grow (memory follows the tokens in flight)",
+    )
+    page_size: int = option(16, ge=1, le=1024, doc="tokens per page of the paged KV cache")
+    num_pages: int | None = option(
+        None,
+        ge=1,
+        doc="pages in the paged KV cache's pool; null = max_slots x ceil(max_length / page_size), the dense "
+        "footprint; at least ceil(max_length / page_size), so one sequence of max_length always fits",
+    )
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_cache == "paged"
+
+    @property
+    def max_pages(self) -> int:
+        """Pages one slot of max_length tokens needs (the page table's width)."""
+        return pages_for(self.max_length, self.page_size)
+
+    @property
+    def pool_pages(self) -> int:
+        """The paged pool's size, num_pages resolved."""
+        return self.max_slots * self.max_pages if self.num_pages is None else self.num_pages
+
+    def insert_pages(self, prefix_length: int) -> int:
+        """Page-table entries an insert of a prefix bucket `prefix_length` long writes: its pages plus the
+        one holding the first decoded position."""
+        return min(pages_for(prefix_length + 1, self.page_size), self.max_pages)
+
+    def page_slots(self) -> PagedSlots:
+        """A fresh host-side page allocator for a decode state of this config (kv_cache: paged)."""
+        return PagedSlots(self.max_slots, self.pool_pages, self.page_size, self.max_pages)
+
     def keeps_layer_copies(self, platform: str) -> bool:
         """Whether an engine on devices of `platform` keeps the per-layer weight copies."""
         return self.decode_layer_copies == "on" or (self.decode_layer_copies == "auto" and platform == "cpu")
@@ -70,6 +112,12 @@ class EngineConfig(Config):
         if self.min_prefill_bucket > self.max_length:
             raise ConfigError(
                 "min_prefill_bucket", f"value {self.min_prefill_bucket} exceeds max_length={self.max_length}"
+            )
+        if self.num_pages is not None and self.num_pages < self.max_pages:
+            raise ConfigError(
+                "num_pages",
+                f"value {self.num_pages} is below ceil(max_length / page_size) = {self.max_pages}: one sequence of "
+                f"max_length={self.max_length} must fit (allowed: >= {self.max_pages}, or null)",
             )
 
     def row_buckets(self, cap: int) -> tuple[int, ...]:
@@ -110,10 +158,10 @@ class Prefix:
 
 @flax.struct.dataclass
 class PrefixBatch:
-    """Several prefilled prompts of one length bucket: KV cache (B rows of length Tb), logits [B, V],
-    lengths [B]."""
+    """Several prefilled prompts of one length bucket: KV cache (B rows of length Tb; a paged engine's
+    are `PrefixEntries`), logits [B, V], lengths [B]."""
 
-    cache: KVCache
+    cache: KVCache | PrefixEntries
     logits: jax.Array
     lengths: jax.Array
 
@@ -122,7 +170,7 @@ class PrefixBatch:
 class DecodeState:
     """Everything a decode step reads and writes, one row per slot."""
 
-    cache: KVCache  # S rows of length T
+    cache: KVCache | PagedKVCache  # dense: S rows of length T; paged: the pools and the page table
     positions: jax.Array  # [S] where the pending token is written next
     tokens: jax.Array  # [S] the pending (sampled, not yet fed) token
     logprobs: jax.Array  # [S] its behaviour log-prob
@@ -189,10 +237,19 @@ class Engine:
             donate_argnums=(2,),
             out_shardings=(self._decode_shardings, emitted_sharding),
         )
+        self._generate_paged = jax.jit(
+            self._generate_paged_impl,
+            static_argnums=(4,),
+            donate_argnums=(2,),
+            out_shardings=(self._decode_shardings, emitted_sharding),
+        )
         self._layer_states = jax.jit(lambda state: nnx.merge(self.graphdef, state).layer_states())
         cast = needs_cast(state, self.model_config)
         self._serving_cast = jax.jit(partial(cast_for_serving, cfg=self.model_config)) if cast else None
         self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
+        # A paged step with no page-table change takes this no-op update: host data like every update, so
+        # one program serves both.
+        self._no_page_updates = PagedSlots.no_updates(config.max_slots, config.max_pages) if config.paged else None
 
     # -- JetStream Engine API ---------------------------------------------------------------------
 
@@ -227,9 +284,13 @@ class Engine:
         return self._init_decode_state()
 
     def _init_decode_state_impl(self) -> DecodeState:
-        cfg, s = self.model_config, self.config.max_slots
+        cfg, s, c = self.model_config, self.config.max_slots, self.config
+        if c.paged:
+            cache = PagedKVCache.zeros(cfg, s, c.pool_pages, c.page_size, c.max_pages)
+        else:
+            cache = KVCache.zeros(cfg, s, c.max_length, first_segment=self.buckets[0])
         return DecodeState(
-            cache=KVCache.zeros(cfg, s, self.config.max_length, first_segment=self.buckets[0]),
+            cache=cache,
             positions=jnp.zeros((s,), jnp.int32),
             tokens=jnp.zeros((s,), jnp.int32),
             logprobs=jnp.zeros((s,), jnp.float32),
@@ -255,7 +316,10 @@ class Engine:
     def insert(
         self, prefix: Prefix, decode_state: DecodeState, slot: int, sampling: SamplingParams, key: jax.Array
     ) -> DecodeState:
-        """Put `prefix` into `slot` and sample the slot's first token with `sampling` and `key`."""
+        """Put `prefix` into `slot` and sample the slot's first token with `sampling` and `key` (dense
+        engines: a paged insert needs its pages, `insert_batch`)."""
+        if self.config.paged:
+            raise ValueError("insert: a paged engine inserts through insert_batch(..., pages=...)")
         top_k = np.int32(sampling.top_k)
         return self._insert(
             prefix,
@@ -289,15 +353,20 @@ class Engine:
         slots: Sequence[int | None],
         samplings: Sequence[SamplingParams],
         key_data: np.ndarray,
+        pages: Sequence[Sequence[int]] | None = None,
     ) -> DecodeState:
         """Insert row i of `prefixes` into slot `slots[i]` (None: leave row i out), sampling the slot's first
         token with `samplings[i]` and the PRNG key whose raw uint32 words are `key_data[i]` (host data, so no
-        eager device op runs per request). The program depends only on the prefix batch's shape; the n
-        samples of one prompt are n calls with the same `prefixes`."""
+        eager device op runs per request). A paged engine takes `pages[i]`: the pool pages of row i, in
+        order, covering its prompt and first decoded position (at most `config.insert_pages(prefix bucket)`). The
+        program depends only on the prefix batch's shape; the n samples of one prompt are n calls with the
+        same `prefixes`."""
         rows = prefixes.logits.shape[0]
         n = len(slots)
         if not 0 < n <= rows or not len(samplings) == len(key_data) == n:
             raise ValueError(f"insert_batch takes 1..{rows} equally long slots/samplings/key_data, got {n}")
+        if self.config.paged != (pages is not None) or (pages is not None and len(pages) != n):
+            raise ValueError(f"insert_batch: pages are given for each of the {n} rows iff the engine is paged")
         pad = rows - n
         dropped = self.config.max_slots  # an out-of-range slot: the scatter drops that row
         slot_B = np.array([dropped if slot is None else slot for slot in slots] + [dropped] * pad, np.int32)
@@ -305,17 +374,40 @@ class Engine:
         temperature = np.array([s.temperature for s in samplings] + [1.0] * pad, np.float32)
         top_k = np.array([s.top_k for s in samplings] + [0] * pad, np.int32)
         top_p = np.array([s.top_p for s in samplings] + [1.0] * pad, np.float32)
-        return self._insert_batch(prefixes, decode_state, slot_B, key_data, temperature, top_k, top_p)
+        if pages is None:
+            return self._insert_batch(prefixes, decode_state, slot_B, key_data, temperature, top_k, top_p)
+        width = self.config.insert_pages(prefixes.cache.length)
+        pages_BxW = np.full((rows, width), self.config.pool_pages, np.int32)  # no page: written nowhere
+        for row, (slot, row_pages) in enumerate(zip(slots, pages, strict=True)):
+            if len(row_pages) > width:
+                raise ValueError(f"row {row}: {len(row_pages)} pages, an insert of this bucket takes {width} at most")
+            if slot is not None:
+                pages_BxW[row, : len(row_pages)] = row_pages
+        return self._insert_batch(prefixes, decode_state, slot_B, key_data, temperature, top_k, top_p, pages_BxW)
 
     def generate(
-        self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
+        self,
+        params: VersionedParams,
+        decode_state: DecodeState,
+        max_position: int | None = None,
+        page_updates: np.ndarray | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step over all slots. `max_position` (host-side: the largest position any active slot
-        writes this step) lets the step read only the cache segments up to the bucket covering it."""
+        writes this step) lets the step read only the cache segments (or pages) up to the bucket covering
+        it. A paged engine applies `page_updates` (`PagedSlots.take_updates`; None: no change) to the page
+        table before the step."""
         attend_length = None if max_position is None else bucket_for(max_position + 1, self.buckets)
         if attend_length == self.config.max_length:
             attend_length = None
-        return self._generate(params.state, params.layers, decode_state, attend_length)
+        if not self.config.paged:
+            if page_updates is not None:
+                raise ValueError("generate: page_updates are for a paged engine")
+            return self._generate(params.state, params.layers, decode_state, attend_length)
+        attend = self.config.max_length if attend_length is None else attend_length
+        updates = self._no_page_updates if page_updates is None else page_updates
+        return self._generate_paged(
+            params.state, params.layers, decode_state, updates, pages_for(attend, self.config.page_size)
+        )
 
     def warmup(self, params: VersionedParams, single_prompt_api: bool = False) -> None:
         """Compile every program the generator can need (batched prefill and insert at each row and length
@@ -332,13 +424,16 @@ class Engine:
         return SingleDeviceSharding(self.device)
 
     def _make_decode_shardings(self) -> DecodeState:
-        slots = self.config.max_slots
+        slots, c = self.config.max_slots, self.config
         if self.mesh is None:
             cache = per_slot = keys = self._single()
         else:
             per_slot = NamedSharding(self.mesh, logical_to_spec(("slots",), (slots,), self.mesh))
             keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (slots, 2), self.mesh))
-            cache = cache_shardings(self.model_config, slots, self.config.max_length, self.mesh)
+            if c.paged:
+                cache = paged_cache_shardings(self.model_config, c, self.mesh)
+            else:
+                cache = cache_shardings(self.model_config, slots, self.config.max_length, self.mesh)
         return DecodeState(
             cache=cache,
             positions=per_slot,
@@ -351,7 +446,11 @@ class Engine:
         )
 
     def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
-        logits_BxV, cache = nnx.merge(self.graphdef, state).prefill(tokens_BxT, lengths_B, self.buckets[0])
+        model = nnx.merge(self.graphdef, state)
+        if self.config.paged:
+            logits_BxV, k, v = model.prefill_entries(tokens_BxT, lengths_B)
+            return PrefixBatch(cache=PrefixEntries(k=k, v=v), logits=logits_BxV, lengths=lengths_B)
+        logits_BxV, cache = model.prefill(tokens_BxT, lengths_B, self.buckets[0])
         return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B)
 
     def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:
@@ -382,17 +481,22 @@ class Engine:
         temperature_B: jax.Array,
         top_k_B: jax.Array,
         top_p_B: jax.Array,
+        pages_BxW: jax.Array | None = None,
     ) -> DecodeState:
-        """Scatter prefix row b into slot slots_B[b] (out-of-range slots are dropped) and sample each
-        slot's first token from its prefix logits."""
+        """Scatter prefix row b into slot slots_B[b] (out-of-range slots are dropped; paged: into the pages
+        pages_BxW[b]) and sample each slot's first token from its prefix logits."""
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(key_data_Bx2)
         tokens_B, logprobs_B = sample_slots(batch.logits, split[:, 1], temperature_B, top_k_B, top_p_B)
 
         def put(target: jax.Array, values: jax.Array) -> jax.Array:
             return target.at[slots_B].set(values, mode="drop")
 
+        if pages_BxW is None:
+            cache = ds.cache.put_rows(batch.cache, slots_B)
+        else:
+            cache = ds.cache.insert(batch.cache, slots_B, pages_BxW)
         return DecodeState(
-            cache=ds.cache.put_rows(batch.cache, slots_B),
+            cache=cache,
             positions=put(ds.positions, batch.lengths),
             tokens=put(ds.tokens, tokens_B),
             logprobs=put(ds.logprobs, logprobs_B),
@@ -424,6 +528,43 @@ class Engine:
         )
         return new_state, emitted
 
+    def _generate_paged_impl(
+        self,
+        state: nnx.State,
+        layers: tuple[nnx.State, ...] | None,
+        ds: DecodeState,
+        page_updates_3xS: jax.Array,
+        attend_pages: int,
+    ) -> tuple[DecodeState, ResultTokens]:
+        model = nnx.merge(self.graphdef, state)
+        cache = ds.cache.update_table(page_updates_3xS)
+        # Idle slots' table rows have no page (their writes are dropped); their positions are clamped so
+        # they index the table and the mask like any slot.
+        positions = jnp.minimum(ds.positions, attend_pages * self.config.page_size - 1)
+        logits_SxV, k, v = model.decode_step_paged(
+            ds.tokens, positions, cache.k, cache.v, cache.page_table, attend_pages, layers
+        )
+        split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
+        next_keys, sample_keys = split[:, 0], split[:, 1]
+        tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
+        emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs)
+        new_state = ds.replace(
+            cache=cache.replace(k=k, v=v),
+            positions=ds.positions + 1,
+            tokens=tokens,
+            logprobs=logprobs,
+            keys=jax.vmap(jax.random.key_data)(next_keys),
+        )
+        return new_state, emitted
+
+
+def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh) -> PagedKVCache:
+    """Where a paged cache's arrays live on `mesh`: the pools split over KV heads like the attention
+    weights (replicated along the other axes: any slot may hold any page), the page table replicated."""
+    shape = (model.num_kv_heads, config.pool_pages, config.page_size, model.resolved_head_dim)
+    pool = NamedSharding(mesh, logical_to_spec(PAGE_POOL_AXES, shape, mesh))
+    return PagedKVCache(k=pool, v=pool, page_table=NamedSharding(mesh, PartitionSpec()))
+
 
 # Programs `Engine.warmup` compiles at once: each XLA compile holds its own memory, so not one per core on a
 # big host.
@@ -452,11 +593,21 @@ def compile_programs(engine: Engine, params: VersionedParams, single_prompt_api:
     state, layers = params.state, params.layers
     i32, u32, f32 = np.int32, np.uint32, np.float32
 
+    paged = engine.config.paged
+
     def batched(bucket: int, rows: int) -> None:
         lowered = engine._prefill_batch.lower(state, _host((rows, bucket), i32), _host((rows,), i32))
         compiled = lowered.compile()
-        host = (_host((rows,), i32), _host((rows, 2), u32), _host((rows,), f32), _host((rows,), i32))
-        engine._insert_batch.lower(_specs(lowered, compiled), decode_state, *host, _host((rows,), f32)).compile()
+        host = [
+            _host((rows,), i32),
+            _host((rows, 2), u32),
+            _host((rows,), f32),
+            _host((rows,), i32),
+            _host((rows,), f32),
+        ]
+        if paged:
+            host.append(_host((rows, engine.config.insert_pages(bucket)), i32))
+        engine._insert_batch.lower(_specs(lowered, compiled), decode_state, *host).compile()
 
     def single(bucket: int) -> None:
         lowered = engine._prefill.lower(state, _host((bucket,), i32), _host((), i32))
@@ -466,9 +617,13 @@ def compile_programs(engine: Engine, params: VersionedParams, single_prompt_api:
         engine._insert.lower(prefix, decode_state, *args).compile()
 
     def generate(bucket: int) -> None:
-        engine._generate.lower(
-            state, layers, decode_state, None if bucket == engine.config.max_length else bucket
-        ).compile()
+        if paged:
+            updates = _host(engine._no_page_updates.shape, i32)
+            pages = pages_for(bucket, engine.config.page_size)
+            engine._generate_paged.lower(state, layers, decode_state, updates, pages).compile()
+        else:
+            attend_length = None if bucket == engine.config.max_length else bucket
+            engine._generate.lower(state, layers, decode_state, attend_length).compile()
 
     tasks = [(f"decode step attending {b} positions", generate, (b,)) for b in engine.buckets]
     tasks += [
@@ -476,6 +631,7 @@ def compile_programs(engine: Engine, params: VersionedParams, single_prompt_api:
         for b in engine.buckets
         for r in engine.prefill_rows
     ]
+    single_prompt_api = single_prompt_api and not paged  # the one-prompt insert is the dense cache's
     if single_prompt_api:
         tasks += [(f"prefill and insert of one prompt, length {b}", single, (b,)) for b in engine.buckets]
     programs = len(engine.buckets) * (1 + 2 * len(engine.prefill_rows) + (2 if single_prompt_api else 0))
@@ -494,21 +650,18 @@ def warm_up(engine: Engine, params: VersionedParams, single_prompt_api: bool = F
     `system.mirrored_engine`, warms up its mirrors)."""
     decode_state = engine.init_decode_state()
     sampling = SamplingParams()
-    per_bucket = 2 * len(engine.prefill_rows) + 1 + (2 if single_prompt_api else 0)
-    progress = Progress("engine warm-up: programs compiled", per_bucket * len(engine.buckets), log=logger)
+    paged = engine.config.paged
     for bucket in engine.buckets:
         length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
-        if single_prompt_api:
+        if single_prompt_api and not paged:
             prefix = engine.prefill(params, np.zeros(bucket, np.int32), length)
             decode_state = engine.insert(prefix, decode_state, 0, sampling, jax.random.key(0))
-            progress.advance(f"prefill and insert of one prompt, length {bucket}")
-            progress.advance()
         for rows in engine.prefill_rows:
             batch = engine.prefill_batch(params, [[1] * length] * rows)
-            progress.advance(f"prefill of {rows} prompts, length {bucket}")
-            decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
-            progress.advance(f"insert of {rows} prompts, length {bucket}")
+            if paged:  # slot 0 on the first pages: what an insert of this bucket can write
+                pages = [list(range(engine.config.insert_pages(bucket)))]
+                decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)), pages)
+            else:
+                decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
         decode_state, result = engine.generate(params, decode_state, max_position=length)
-        progress.advance(f"decode step attending {bucket} positions")
     jax.block_until_ready(result)
-    progress.done(f"{len(engine.buckets)} length buckets x {len(engine.prefill_rows)} row buckets")

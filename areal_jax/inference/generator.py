@@ -29,6 +29,20 @@ The loop blocks on the inbox while it has nothing to do. Each iteration, between
      handled right after it is dispatched (the baseline).
 Every output token keeps the behaviour log-prob and the policy version of the weights that sampled it: a
 step dispatched before a weight swap is handled (and attributed to the old version) before the swap.
+
+With a paged KV cache (`kv_cache: paged`) the loop also owns the page allocator (`PagedSlots`): a sample
+gets the pages of its prompt and first decoded position when admitted, one more page before the step that
+first writes into it (all of a step's new pages and freed rows go to the device as one small update with
+that step), and gives them all back when its slot is freed (at its last dispatch, on stop, abort or
+interruption). The device runs every call in order on the one decode state, so a page freed while a step
+that writes it is in flight is reused only by later calls. When pages run out:
+  - admission waits: the queue's head is admitted only when its pages are free (later jobs wait behind
+    it, so a long prompt is not starved);
+  - a running sample that needs its next page first lets the step in flight finish (samples that stop
+    free theirs), then the newest admitted samples are preempted, newest first, until the rest fit: a
+    preempted sample keeps its tokens, log-probs and versions and is queued first for a re-prefill of
+    prompt + tokens, like an interruption. The pool holds at least one max_length sequence
+    (`EngineConfig.num_pages`), so the oldest sample always runs on: no deadlock.
 Stop strings are matched on text decoded incrementally (`IncrementalDecoder`): each token's new text
 plus the longest stop string's overlap with the text before it.
 """
@@ -51,6 +65,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.inference.engine import DecodeState, Engine, PrefixBatch, ResultTokens, VersionedParams, bucket_for
+from areal_jax.inference.paged import PagedSlots
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.tokenizer import IncrementalDecoder
 
@@ -135,6 +150,7 @@ class _Sample:
     in_flight: int = 0  # dispatched decode steps whose token is not handled yet
     stop_strings: StopStringMatcher | None = None
     slot: int | None = None
+    admitted: int = -1  # admission order (the newest running sample is preempted first)
     interruptions: int = 0
     first_token_time: float | None = None
     result: GenerationResult | None = None
@@ -265,6 +281,10 @@ class GeneratorStats:
     interruptions: int = 0
     updates: int = 0
     busy_slot_steps: int = 0
+    preemptions: int = 0  # samples sent back to the queue for want of KV pages (paged cache)
+    admission_waits: int = 0  # admissions stopped at a sample whose KV pages were not free (paged cache)
+    pages_in_use: int = 0  # KV pages held by samples during the last decode step (paged cache)
+    peak_pages_in_use: int = 0
     busy_seconds: float = 0.0  # wall time the loop spent working (not waiting for requests): the planner's rate
 
 
@@ -298,6 +318,8 @@ class Generator:
         self._aborts: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self._slots: list[_Sample | None] = [None] * engine.max_concurrent_decodes
+        self._pages: PagedSlots | None = engine.config.page_slots() if engine.config.paged else None
+        self._admissions = itertools.count()
         self._paused = False
         self._in_flight_step: _Step | None = None
         self._decode_state: DecodeState = engine.init_decode_state()
@@ -438,7 +460,7 @@ class Generator:
             return
         if update is None:
             self._admit()
-        step = self._dispatch() if self._has_active() else None
+        step = self._dispatch() if self._has_active() else None  # None also when preemption emptied the slots
         if self.pipelined:
             step, self._in_flight_step = self._in_flight_step, step
         if step is not None:
@@ -482,13 +504,9 @@ class Generator:
         for slot, sample in enumerate(self._slots):
             if sample is None:
                 continue
-            sample.slot = None
             sample.interruptions += 1
-            self._slots[slot] = None
             self.stats.interruptions += 1
-            self._jobs.appendleft(
-                _PrefillJob(sample.request.prompt_ids + tuple(sample.output_ids), collections.deque([sample]))
-            )
+            self._requeue(slot)
         for job in self._jobs:
             job.prefix = None  # prefixes made with the old weights
         self.params = update.params
@@ -510,18 +528,45 @@ class Generator:
                 if not job.samples:
                     self._jobs.remove(job)
 
+    def _free_slot(self, slot: int) -> None:
+        """Take the sample out of `slot` and give its KV pages back."""
+        sample = self._slots[slot]
+        self._slots[slot] = None
+        sample.slot = None
+        if self._pages is not None:
+            self._pages.release(slot)
+
+    def _requeue(self, slot: int) -> None:
+        """Free `slot` and queue its sample first for a re-prefill of prompt + tokens so far (its step in
+        flight handled: every token it sampled is in `output_ids`)."""
+        sample = self._slots[slot]
+        self._free_slot(slot)
+        self._jobs.appendleft(
+            _PrefillJob(sample.request.prompt_ids + tuple(sample.output_ids), collections.deque([sample]))
+        )
+
     def _admit(self) -> None:
         """Fill free slots from the head of the queue: the jobs that need a prefix are prefilled together
-        (one call per length bucket), then each prefix batch is inserted into its slots in one call."""
+        (one call per length bucket), then each prefix batch is inserted into its slots in one call. With a
+        paged cache, admission stops at the first sample whose pages are not free."""
         if self.admission == "static" and self._has_active():
             return
         free = [slot for slot, s in enumerate(self._slots) if s is None]
         placed: list[tuple[_PrefillJob, _Sample, int]] = []
+        free_pages = self._pages.allocator.num_free if self._pages is not None else 0
+        out_of_pages = False
         for job in self._jobs:
             for sample in itertools.islice(job.samples, len(free) - len(placed)):
+                if self._pages is not None:
+                    needed = self._pages.pages_needed(len(job.tokens) + 1)
+                    out_of_pages = needed > free_pages
+                    if out_of_pages:
+                        break
+                    free_pages -= needed
                 placed.append((job, sample, free[len(placed)]))
-            if len(placed) == len(free):
+            if out_of_pages or len(placed) == len(free):
                 break
+        self.stats.admission_waits += out_of_pages
         if not placed:
             return
         self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], self._jobs)
@@ -540,14 +585,23 @@ class Generator:
                 slots: list[int | None] = [None] * used_rows
                 samplings = [SamplingParams()] * used_rows
                 key_data = np.zeros((used_rows, 2), np.uint32)
-                for row, (_, sample, slot) in chosen.items():
+                pages: list[list[int]] = [[] for _ in range(used_rows)]
+                for row, (job, sample, slot) in chosen.items():
                     slots[row] = slot
                     samplings[row] = sample.request.sampling
                     key_data[row] = _key_words(*sample.seed_words, len(sample.output_ids))
-                self._decode_state = self.engine.insert_batch(batch, self._decode_state, slots, samplings, key_data)
+                    if self._pages is not None:
+                        pages[row] = self._pages.assign(slot, len(job.tokens) + 1)
+                if self._pages is None:
+                    self._decode_state = self.engine.insert_batch(batch, self._decode_state, slots, samplings, key_data)
+                else:
+                    self._decode_state = self.engine.insert_batch(
+                        batch, self._decode_state, slots, samplings, key_data, pages
+                    )
             for job, sample, slot in entries:
                 job.samples.remove(sample)
                 sample.slot = slot
+                sample.admitted = next(self._admissions)
                 sample.pending_version = job.prefix_version
                 self._slots[slot] = sample
         self._jobs = collections.deque(job for job in self._jobs if job.samples)
@@ -587,12 +641,45 @@ class Generator:
         """Where the sample's pending token is written by the next step dispatched."""
         return len(sample.request.prompt_ids) + len(sample.output_ids) + sample.in_flight
 
-    def _dispatch(self) -> _Step:
+    def _grow_pages(self) -> bool:
+        """Give every active slot the page its next write lands in; False when the pages ran out."""
+        return all(
+            self._pages.grow(slot, self._position(sample))
+            for slot, sample in enumerate(self._slots)
+            if sample is not None
+        )
+
+    def _make_room(self) -> None:
+        """Find pages for every active slot's next write: handle the step in flight (samples that stop free
+        theirs), then preempt the newest admitted samples until the others fit."""
+        self._drain()
+        while not self._grow_pages():
+            newest = max((s for s in self._slots if s is not None), key=lambda s: s.admitted)
+            self.stats.preemptions += 1
+            logger.debug("KV pages exhausted: %s sample %d back to the queue", newest.request.request_id, newest.index)
+            self._requeue(newest.slot)
+
+    def _dispatch(self) -> _Step | None:
         """Start one decode step over all slots and the copy of its tokens to the host; a sample whose
-        last token is in this step gives up its slot now."""
+        last token is in this step gives up its slot now. None when no sample is left to decode (all
+        preempted or stopped while making room for pages)."""
+        page_updates = None
+        if self._pages is not None:
+            if not self._grow_pages():
+                self._make_room()
+                if not self._has_active():
+                    return None
+            page_updates = self._pages.take_updates()
+            self.stats.pages_in_use = self._pages.allocator.num_used  # held during this step
+            self.stats.peak_pages_in_use = max(self.stats.peak_pages_in_use, self.stats.pages_in_use)
         active = [(slot, sample) for slot, sample in enumerate(self._slots) if sample is not None]
         max_position = max(self._position(sample) for _, sample in active)
-        self._decode_state, emitted = self.engine.generate(self.params, self._decode_state, max_position)
+        if page_updates is None:
+            self._decode_state, emitted = self.engine.generate(self.params, self._decode_state, max_position)
+        else:
+            self._decode_state, emitted = self.engine.generate(
+                self.params, self._decode_state, max_position, page_updates
+            )
         emitted.tokens.copy_to_host_async()
         emitted.logprobs.copy_to_host_async()
         self.stats.decode_steps += 1
@@ -601,8 +688,7 @@ class Generator:
             emitted_count = len(sample.output_ids) + sample.in_flight
             sampling = sample.request.sampling
             if emitted_count >= sampling.max_new_tokens or self._position(sample) >= self.engine.config.max_length:
-                self._slots[slot] = None
-                sample.slot = None
+                self._free_slot(slot)
         return _Step(active, self.params.version, emitted)
 
     def _handle(self, step: _Step) -> None:
@@ -640,8 +726,7 @@ class Generator:
 
     def _finish(self, sample: _Sample, reason: FinishReason) -> None:
         if sample.slot is not None:
-            self._slots[sample.slot] = None
-            sample.slot = None
+            self._free_slot(sample.slot)
         request = sample.request
         now = time.perf_counter()
         sample.result = GenerationResult(

@@ -3,7 +3,8 @@
 (a) `token_logprobs`: packed training/scoring rows (segment ids + positions) -> per-token log-probs of
     given targets, computed chunk by chunk so the full [T, V] logits never exist at once;
 (b) `prefill`: right-padded prompts -> logits of each last prompt token and a fresh KV cache;
-(c) `decode_step`: one token per slot against a slot-indexed KV cache, written in place.
+(c) `decode_step`: one token per slot against a slot-indexed KV cache, written in place
+    (`decode_step_paged`: the same against a paged cache, `areal_jax/inference/paged.py`).
 
 Layers are stacked along a leading "layers" axis. (a) and (b) run them with `lax.scan`, so their compile
 time does not grow with depth; (c) unrolls them to read each layer's cache in place (see `KVCache`).
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models.attention import get_attention
+from areal_jax.models.attention import get_attention, paged_decode_attention, pages_per_block
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
 from areal_jax.models.rope import inverse_frequencies, rope_tables
@@ -244,6 +245,12 @@ class Decoder(nnx.Module):
         """Run right-padded prompts; return fp32 logits [B, V] at each last real token and their KV cache
         of length T, cut into segments from `first_segment` (entries past a prompt's length are garbage
         and must stay masked)."""
+        logits_BxV, k_YxBxTxKxH, v_YxBxTxKxH = self.prefill_entries(tokens_BxT, lengths_B)
+        return logits_BxV, KVCache.from_entries(k_YxBxTxKxH, v_YxBxTxKxH, first_segment)
+
+    def prefill_entries(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`prefill` with the keys and values as the layer scan makes them, [Y, B, T, K, H] each (what a
+        paged cache is filled from)."""
         b, t = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
@@ -252,9 +259,7 @@ class Decoder(nnx.Module):
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache.from_entries(
-            k_YxBxTxKxH, v_YxBxTxKxH, first_segment
-        )
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), k_YxBxTxKxH, v_YxBxTxKxH
 
     # -- (c) decode ---------------------------------------------------------------------------
 
@@ -316,6 +321,49 @@ class Decoder(nnx.Module):
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
         return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=tuple(keys), v=tuple(values))
+
+    def decode_step_paged(
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        k_pages: Sequence[jax.Array],
+        v_pages: Sequence[jax.Array],
+        page_table_BxM: jax.Array,
+        attend_pages: int,
+        layer_states: Sequence[nnx.State] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """`decode_step` over a paged cache: each layer's pools k/v [K, P, page, H] and the page table
+        [B, M] (entry P: no page). Each slot's new key/value is written at its position's page (dropped
+        where the table has no page), then the slot attends to its first `attend_pages` pages (static;
+        covering every position), masked past its position. Returns fp32 logits [B, V] and the pools."""
+        p, page = k_pages[0].shape[1], k_pages[0].shape[2]
+        column_B = jnp.minimum(positions_B // page, page_table_BxM.shape[1] - 1)
+        write_page_B = jnp.take_along_axis(page_table_BxM, column_B[:, None], axis=1)[:, 0]
+        offset_B = positions_B % page
+        # Read: a whole number of attention blocks of pages, every entry a valid pool index (a slot's
+        # pages past its position are masked, so what they hold does not matter).
+        block = pages_per_block(page, attend_pages)
+        read_BxM = jnp.minimum(page_table_BxM[:, :attend_pages], p - 1)
+        if attend_pages % block:
+            read_BxM = jnp.pad(read_BxM, ((0, 0), (0, block - attend_pages % block)))
+        sin, cos = self._rope(positions_B[:, None])
+        graphdef, _ = nnx.split(self.layers)
+        layer_states = self.layer_states() if layer_states is None else layer_states
+        x_Bx1xD = self._embed(tokens_B[:, None])
+        keys, values = [], []
+        for layer_state, k_pool, v_pool in zip(layer_states, k_pages, v_pages, strict=True):
+            layer = nnx.merge(graphdef, layer_state)
+            q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
+            k_pool = k_pool.at[:, write_page_B, offset_B].set(k[:, 0].swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
+            v_pool = v_pool.at[:, write_page_B, offset_B].set(v[:, 0].swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
+            keys.append(k_pool)
+            values.append(v_pool)
+            out = paged_decode_attention(q, k_pool, v_pool, read_BxM, positions_B)
+            x_Bx1xD = layer.finish(x_Bx1xD, out)
+        logits_BxV = jnp.einsum(
+            "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
+        )
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), tuple(keys), tuple(values)
 
 
 def chunked_logprobs(
