@@ -232,10 +232,11 @@ def test_after_warmup_a_paged_generator_never_compiles(model):
     config = EngineConfig(max_slots=4, max_length=64, max_prefill_batch=2, kv_cache="paged", page_size=8, num_pages=12)
     engine = Engine(model, config)
     params = engine.load_params(nnx.state(model), 0)
-    engine.warmup(params)
-    programs = (engine._prefill_batch, engine._insert_batch, engine._generate_paged)
-    counts = [program._cache_size() for program in programs]
-    assert counts == [len(engine.buckets) * len(engine.prefill_rows)] * 2 + [len(engine.buckets)]
+    with CompileCounter() as warmup:
+        engine.warmup(params)
+    # batched prefill and insert per length and row bucket, a paged decode step per length bucket, the decode
+    # state's init
+    assert warmup.count == len(engine.buckets) * (2 * len(engine.prefill_rows) + 1) + 1
     with CompileCounter() as compiles, Generator(engine, params) as gen:
         futures = [
             gen.submit(list(range(1, n + 1)), SamplingParams(max_new_tokens=60, seed=n), n=2) for n in (1, 17, 40, 5, 9)
@@ -243,4 +244,3 @@ def test_after_warmup_a_paged_generator_never_compiles(model):
         for future in futures:
             future.result(timeout=120)
     assert compiles.count == 0 and gen.stats.preemptions > 0  # preemption and re-prefill compile nothing either
-    assert [program._cache_size() for program in programs] == counts
