@@ -166,6 +166,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
+    if args.memory:
+        return _print_memory_plan(cfg)
+    if args.devices is None:
+        raise ConfigError("--devices", "is required to plan the split (or give --memory for the memory plan)")
     runs = list(args.calibration)
     if args.calibrate:
         runs.append(calibrate(path, overrides, args.calibration_steps))
@@ -174,6 +178,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     calibrations = [read_calibration(run, args.skip_steps, args.step_quantile) for run in runs]
     plan = make_plan(cfg, calibrations, args.devices, eta=args.eta, batch_prompts=args.batch_prompts)
     print("\n".join(plan.lines()))
+    return 0
+
+
+def _print_memory_plan(cfg: Any) -> int:
+    from areal_jax.planning.memory import GIB, USABLE_SHARE, device_capacity, plan_memory
+    from areal_jax.system.assembly import build_meshes, build_tokenizer, policy_config
+
+    inference_mesh, trainer_mesh = build_meshes(cfg)
+    plan = plan_memory(cfg, policy_config(cfg, build_tokenizer(cfg)), trainer_mesh, inference_mesh)
+    print("\n".join(plan.lines()))
+    capacity = device_capacity(list(trainer_mesh.devices.flat))
+    plan.check(capacity)
+    need = plan.host_total if plan.host else max(side.per_device for side in plan.sides)
+    print(f"fits: {need / GIB:.1f} GiB of {capacity * USABLE_SHARE / GIB:.1f} GiB usable")
     return 0
 
 
@@ -342,10 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--calibration-steps", type=_at_least(6, "steps of the --calibrate run"), default=16)
     plan.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the run's memory plan per device of each mesh on this machine's devices (nothing compiles) "
+        "and whether it fits; exit 2 if it cannot",
+    )
+    plan.add_argument(
         "--devices",
         type=_at_least(2, "a split needs at least 2 devices (CPU: cores)"),
-        required=True,
-        help="devices to split (on CPU: cores)",
+        help="devices to split (on CPU: cores); required without --memory",
     )
     plan.add_argument(
         "--eta", type=_at_least(0, "the staleness bound"), help="default: rollout.staleness.max_head_offpolicyness"

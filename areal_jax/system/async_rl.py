@@ -45,6 +45,7 @@ from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.init import abstract_like
+from areal_jax.planning.memory import check_memory
 from areal_jax.profiling import ProfileWindow
 from areal_jax.progress import heartbeat
 from areal_jax.rollout.controller import RolloutController
@@ -59,6 +60,7 @@ from areal_jax.system.assembly import (
     build_workflow,
     export_policy,
     load_policy,
+    policy_config,
 )
 from areal_jax.system.reporting import BATCH_WAIT, QUEUE, RunReporter
 from areal_jax.system.run_dir import check_run_dir, start_run_dir
@@ -150,7 +152,15 @@ def run_async(
             cfg, training.model, training.workflow, training.stream, inference_mesh, training.ledger, training.metadata
         )
 
-    return train(cfg, trainer_mesh, rollouts, resume=resume, overwrite=overwrite, stop_event=stop_event)
+    return train(
+        cfg,
+        trainer_mesh,
+        rollouts,
+        resume=resume,
+        overwrite=overwrite,
+        stop_event=stop_event,
+        inference_mesh=inference_mesh,
+    )
 
 
 def train(
@@ -161,6 +171,7 @@ def train(
     resume: bool = False,
     overwrite: bool = False,
     stop_event: threading.Event | None = None,
+    inference_mesh: Mesh | None = None,
 ) -> RunSummary:
     """The trainer side of a run on `trainer_mesh`, fed by the rollout side `rollouts` builds (in this
     process, or rollout server processes): run directory, policy, prompts, trainer, checkpoints, loop.
@@ -176,7 +187,18 @@ def train(
     processes.on_primary(lambda: start_run_dir(cfg, plan))
     with _records_mirror(cfg, resume, processes) as mirror:
         before_save = mirror.sync if mirror is not None else None  # records up to a checkpoint before it
-        return _train(cfg, trainer_mesh, rollouts, checkpoints, before_save, processes, resume, stop_event, started)
+        return _train(
+            cfg,
+            trainer_mesh,
+            inference_mesh,
+            rollouts,
+            checkpoints,
+            before_save,
+            processes,
+            resume,
+            stop_event,
+            started,
+        )
 
 
 def _records_mirror(cfg: ExperimentConfig, resume: bool, processes: TrainerProcesses) -> Any:
@@ -196,6 +218,7 @@ def _records_mirror(cfg: ExperimentConfig, resume: bool, processes: TrainerProce
 def _train(
     cfg: ExperimentConfig,
     trainer_mesh: Mesh,
+    inference_mesh: Mesh | None,
     rollouts: Callable[[_TrainingRun], RolloutSide],
     checkpoints: str,
     before_save: Callable[[], None] | None,
@@ -206,6 +229,7 @@ def _train(
 ) -> RunSummary:
     _check_several_processes(cfg, processes)
     tokenizer = build_tokenizer(cfg)
+    check_memory(cfg, policy_config(cfg, tokenizer), trainer_mesh, inference_mesh)  # before anything is loaded
     model = load_policy(cfg, trainer_mesh, tokenizer)
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
         train_prompts, heldout = build_prompts(cfg, workflow)
