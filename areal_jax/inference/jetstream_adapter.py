@@ -141,6 +141,8 @@ class JetStreamEngine(engine_api.Engine):
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, *, sampling: SamplingParams, seed: int = 0):
         """Serve `engine` with `tokenizer`; every request is sampled with `sampling` (its seed, else `seed`)."""
+        if engine.config.paged:
+            raise ValueError("rollout.engine.kv_cache='paged': JetStream's orchestrator drives the dense cache only")
         if engine.max_prefill_length not in JETSTREAM_PREFILL_LENGTHS:
             raise ValueError(
                 f"engine max_length={engine.max_prefill_length} must be one of JetStream's prefill lengths "

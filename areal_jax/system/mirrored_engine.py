@@ -38,6 +38,7 @@ import msgpack
 import numpy as np
 from flax import nnx
 
+from areal_jax.configuration import ConfigError
 from areal_jax.inference.engine import (
     DecodeState,
     Engine,
@@ -60,6 +61,12 @@ class MirroredEngine:
     """Process 0's `Engine`: the calls the generator makes, each mirrored on every other process."""
 
     def __init__(self, engine: Engine, sender: CommandSender):
+        if engine.config.paged:
+            raise ConfigError(
+                "rollout.engine.kv_cache",
+                "is 'paged', but a rollout server over several processes mirrors the dense cache's engine calls "
+                "only; use 'dense' with distributed.enabled",
+            )
         self.engine = engine
         self._sender = sender
         self._lock = threading.Lock()
