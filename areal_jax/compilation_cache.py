@@ -18,10 +18,21 @@ import jax
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_DIR = "~/.cache/areal-jax/xla_cache"
+
+
 def enable_compilation_cache(directory: str | os.PathLike[str] | None) -> None:
-    """Use `directory` (local path or gs://) as the persistent compilation cache; None leaves it off."""
+    """Use `directory` (local path or gs://) as the persistent compilation cache; "auto": the environment's
+    JAX_COMPILATION_CACHE_DIR when set (JAX reads it itself), else DEFAULT_DIR; None leaves it off."""
     if directory is None:
         return
+    if directory == "auto":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            logger.info(
+                "persistent compilation cache: %s ($JAX_COMPILATION_CACHE_DIR)", os.environ["JAX_COMPILATION_CACHE_DIR"]
+            )
+            return
+        directory = DEFAULT_DIR
     location = os.fspath(directory)
     if "://" not in location:
         location = str(Path(location).expanduser().absolute())

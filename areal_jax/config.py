@@ -83,9 +83,10 @@ class ExperimentConfig(Config):
         doc="jax.distributed for a role (trainer, rollout server) over several processes or hosts",
     )
     compilation_cache_dir: str | None = option(
-        "~/.cache/areal-jax/xla_cache",
+        "auto",
         doc="persistent XLA compilation cache shared by runs (local or gs://): a rerun or resume loads its "
-        "compiled programs instead of compiling them (minutes at real size); null = off",
+        "compiled programs instead of compiling them (minutes at real size); auto = $JAX_COMPILATION_CACHE_DIR "
+        "when set, else ~/.cache/areal-jax/xla_cache; null = off",
     )
 
     def validate(self) -> None:

@@ -15,6 +15,7 @@ DEVICE_SETTINGS=(
   "BUDGET|--budget|480|seconds for everything, the install included"
   "QUICK_TIMEOUT|--timeout|60|seconds allowed to each --quick benchmark"
   "FULL_TIMEOUT|--full-timeout|150|seconds allowed to the full model_forward.py"
+  "SCALE_TIMEOUT|--scale-timeout|240|seconds allowed to benchmarks/scale.py (Qwen2.5-0.5B and 1.5B shapes, 3 steps)"
   "CPU|--cpu|0|1 (or --cpu alone): no install, run the benchmarks with PYTHON (main_job.py still uses .venv)"
   "PYTHON|--python|.venv/bin/python|the Python of the benchmarks in --cpu mode"
   "ONLY|--only||comma-separated labels to run, e.g. rewards,model_forward-full"
@@ -26,7 +27,7 @@ done
 parse_settings DEVICE_SETTINGS "Usage: $(basename "$0") [--cpu] [--only LABELS] [flags] [--dry-run]
 Installs requirements-cuda.txt into .venv, runs the benchmarks, prints the table for docs/benchmarks.md." \
   "${args[@]}"
-for var in BUDGET QUICK_TIMEOUT FULL_TIMEOUT; do
+for var in BUDGET QUICK_TIMEOUT FULL_TIMEOUT SCALE_TIMEOUT; do
   [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || die "$var must be a number of seconds >= 1, got '${!var}'"
 done
 deadline=$((SECONDS + BUDGET))
@@ -70,13 +71,15 @@ else
   say "device: $device"
 fi
 
-# label|timeout|arguments of each run, in run order: model_forward first (the headline of issue 14).
+# label|timeout|arguments of each run, in run order: model_forward first (the headline of issue 14), then the
+# real shapes (issue 22: bf16 compute, the GSM8K recipe at a small batch, peak memory against the plan).
 invocations=("model_forward|$QUICK_TIMEOUT|benchmarks/model_forward.py --quick"
-  "model_forward-full|$FULL_TIMEOUT|benchmarks/model_forward.py")
+  "model_forward-full|$FULL_TIMEOUT|benchmarks/model_forward.py"
+  "scale|$SCALE_TIMEOUT|benchmarks/scale.py --steps 3")
 for script in benchmarks/*.py; do
   name=$(basename "$script" .py)
   case "$name" in
-    common | model_forward) ;;
+    common | model_forward | scale) ;;
     *) invocations+=("$name|$QUICK_TIMEOUT|$script --quick") ;;
   esac
 done

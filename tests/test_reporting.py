@@ -200,3 +200,15 @@ def test_wandb_is_optional_and_logs_every_step(tmp_path, monkeypatch):
 def test_report_config_refuses_an_unknown_live_mode():
     with pytest.raises(ConfigError, match="live"):
         ReportConfig(live="sometimes")
+
+
+def test_before_the_first_step_the_live_display_shows_what_the_start_is_doing(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    console = Console(record=True, width=160, file=io.StringIO())
+    reporter = RunReporter(ReportConfig(live="always", plots=False), tmp_path / "run", total_steps=3, console=console)
+    try:
+        logging.getLogger("areal_jax.inference.engine").info("engine warm-up: compiling 27 programs, tasks: 3/15")
+        shown = _render(reporter.renderable())
+    finally:
+        reporter.close([])
+    assert "waiting for the first step (engine warm-up: compiling 27 programs, tasks: 3/15)" in shown

@@ -33,6 +33,8 @@ CPU_RUNTIME_BYTES = int(1.0 * GIB)
 # XLA's temporaries beyond the counted arrays, and the transient copies of a load or a weight update, as a
 # share of the counted bytes.
 XLA_OVERHEAD = 0.15
+# Keys that spread a side over more devices: they lower a device's share, not the host's total.
+DEVICE_SPREAD_KEYS = ("mesh.fsdp", "rollout.trainer_share")
 # A plan may fill this share of a device (or of host RAM) before it is refused.
 USABLE_SHARE = 0.92
 
@@ -101,6 +103,8 @@ class MemoryPlan:
             return
         largest = sorted(items, key=lambda i: -i.bytes)[:3]
         keys = list(dict.fromkeys(key for item in largest for key in item.keys))
+        if self.host:  # CPU devices all draw on host RAM: spreading over more of them saves nothing
+            keys = [key for key in keys if key not in DEVICE_SPREAD_KEYS] or keys
         biggest = ", ".join(f"{i.name} {i.bytes / GIB:.2f} GiB" for i in largest)
         raise ConfigError(
             keys[0],
@@ -154,10 +158,19 @@ def trainer_items(cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[st
         activations = model.num_layers * layer
     logits = model.resolved_logprob_chunk * model.vocab_size * 4 * 4  # logits, probabilities and cotangents
     state_keys = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
+    # a mini-batch of at most `rows` sequences always packs into one micro-batch (each fits a row): its gradient
+    # needs no accumulator beside it
+    sequences = -(-cfg.rollout.staleness.batch_prompts * cfg.rollout.workflow.n_samples // cfg.trainer.ppo_minibatches)
+    one_microbatch = sequences <= packing.rows
+    gradients = (
+        MemoryItem("gradients", params, state_keys)
+        if one_microbatch
+        else (MemoryItem("gradients (accumulated + micro-batch)", 2 * params, state_keys))
+    )
     return [
         MemoryItem("params", params, state_keys),
         MemoryItem("Adam moments", 2 * params, state_keys),
-        MemoryItem("gradients (accumulated + micro-batch)", 2 * params, state_keys),
+        gradients,
         MemoryItem(
             f"activations ({tokens} tokens, remat {model.remat})",
             activations,

@@ -666,8 +666,11 @@ class _TrainingRun:
         generator = self.rollouts.local_generator()
         if generator is None:  # rollout servers in other processes: server 0 evaluates
             return {}
+        emitted = generator.stats.emitted_tokens
+        status = lambda: f"{generator.stats.emitted_tokens - emitted} tokens generated"  # noqa: E731
         try:
-            report = evaluate(generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
+            with heartbeat(f"held-out evaluation at step {version} ({len(prompts)} prompts)", status):
+                report = evaluate(generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
         except Exception:  # a failing reward also fails the rollouts, whose budget stops the run if it must
             logger.exception("held-out evaluation at step %d failed; training goes on", version)
             return {}

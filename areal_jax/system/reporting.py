@@ -95,6 +95,17 @@ class ReportConfig(Config):
 History = list[tuple[int, dict[str, float]]]
 
 
+class _LatestMessage(logging.Handler):
+    """Keeps the newest INFO message (one string, replaced whole: the display's thread reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.latest = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.latest = record.getMessage()
+
+
 class RunReporter:
     """Everything a run shows and writes (see the module docstring). `start_step` is the step a resumed run
     continues from (0: a new run); `hparams` go to W&B as the run's config. Use as a context manager or
@@ -150,6 +161,7 @@ class RunReporter:
         self.live: Live | None = None
         self.muted: list[logging.Handler] = []
         self.warnings_handler: logging.Handler | None = None
+        self.status_handler: _LatestMessage | None = None
         if config.live == "always" or (config.live == "auto" and sys.stderr.isatty()):
             self._start_live()
 
@@ -237,7 +249,11 @@ class RunReporter:
         """The live display of the latest step: progress and ETA, then the run's vital signs."""
         values = self.display_values
         if not values:
-            return Text(f"step {self.start_step}/{self.total_steps}: waiting for the first step")
+            latest = self.status_handler.latest if self.status_handler is not None else ""
+            return Text(
+                f"step {self.start_step}/{self.total_steps}: waiting for the first step"
+                + (f" ({latest})" if latest else "")
+            )
         head = Table.grid(padding=(0, 1))
         head.add_row(
             Text(f"step {values['step']}", style="bold"),
@@ -288,6 +304,8 @@ class RunReporter:
             root.removeHandler(handler)
         self.warnings_handler = RichHandler(console=self.console, level=logging.WARNING, show_path=False)
         root.addHandler(self.warnings_handler)
+        self.status_handler = _LatestMessage()  # before the first step: what the start is doing
+        root.addHandler(self.status_handler)
         self.live = Live(console=self.console, get_renderable=self.renderable, refresh_per_second=1)
         self.live.start()
 
@@ -298,6 +316,7 @@ class RunReporter:
         self.live = None
         root = logging.getLogger()
         root.removeHandler(self.warnings_handler)
+        root.removeHandler(self.status_handler)
         for handler in self.muted:
             root.addHandler(handler)
         self.muted = []

@@ -221,6 +221,12 @@ def _gradients_fn(
     """Sum over micro-batches of loss and gradient (each normalised by the whole mini-batch's loss tokens)."""
     num_loss_tokens = count_loss_tokens(batch.loss_mask)
     grad_fn = jax.value_and_grad(partial(_microbatch_loss, program), has_aux=True)
+    if batch.tokens.shape[0] == 1:  # one micro-batch: its gradient is the sum, no accumulator beside it
+        first = partial(jax.tree.map, lambda x: x[0])
+        prox, ref = (None if x is None else x[0] for x in (logp_prox_MxBxL, logp_ref_MxBxL))
+        (loss, stats), grads = grad_fn(params, first(batch), prox, ref, num_loss_tokens, version)
+        grads = jax.lax.with_sharding_constraint(grads, program.param_shardings)
+        return loss, grads, merge_stats(jax.tree.map(lambda x: x[None], stats))
 
     def body(
         grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None, jax.Array | None]
