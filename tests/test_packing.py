@@ -252,3 +252,17 @@ def test_fixed_count_baseline():
     assert plan.capacity == 3 * 12 + 3 * 8 + 3 * 8
     with pytest.raises(ValueError, match="seqs_per_microbatch must be >= 1; got 0"):
         fixed_count_plan(lengths, 0)
+
+
+def test_a_small_batch_packs_into_the_rows_it_needs_and_big_batches_keep_their_buckets():
+    rows_of_8 = PackingConfig(token_budget=1024, rows=8)
+    few = rows_of_8.replace(min_rows=1)
+    small = [30, 25, 20]
+    assert pack_sequences(small, rows_of_8).shapes == ((8, 30),)  # 240 slots for 75 tokens
+    assert pack_sequences(small, few).shapes == ((1, 80),)  # one row of the 8-per-octave ladder
+    rng = np.random.default_rng(0)
+    big = rng.integers(10, 60, 40)  # needs more than 8 rows: the same buckets either way
+    assert pack_sequences(big, few).shapes == pack_sequences(big, rows_of_8).shapes
+    assert few.row_counts(32) == [1, 2, 4, 8, 16, 32]
+    with pytest.raises(ConfigError, match="min_rows"):
+        PackingConfig(token_budget=1024, rows=8, min_rows=16)

@@ -13,7 +13,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.sharding import copy_to
+from areal_jax.sharding import MeshConfig, copy_to, make_mesh
 from areal_jax.trainer.batching import build_batch, split_minibatches
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
 from areal_jax.trainer.train_step import applied_updates
@@ -233,3 +233,13 @@ def test_ppo_learns_a_synthetic_task():
             assert stats["ppo/iw_max"] < 1.001  # the sampler's log-probs match the trainer's (same version)
     first, last = np.mean(mean_rewards[:5]), np.mean(mean_rewards[-5:])
     assert last > first + 0.3, (first, last, mean_rewards)
+
+
+def test_min_rows_defaults_to_the_data_shards_and_must_divide_them():
+    graphdef, state = tiny_model_state()
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    trainer = Trainer(nnx.merge(graphdef, state), CONFIG, mesh, temperature=TEMPERATURE)
+    assert trainer.config.packing.min_rows == 4  # a small batch: one micro-batch of 4, 8, ... rows
+    odd = CONFIG.replace(packing=CONFIG.packing.replace(min_rows=2))
+    with pytest.raises(ValueError, match=r"packing\.min_rows is 2, not a multiple of the data\*fsdp shards \(4\)"):
+        Trainer(nnx.merge(graphdef, state), odd, mesh, temperature=TEMPERATURE)

@@ -4,8 +4,10 @@ Host-side NumPy. A micro-batch is a `[rows, length]` array whose rows hold whole
 described by `segment_ids` (0 = padding, 1.. = the sequences of a row in order) and `positions` (0 at the
 start of every sequence). The shape is chosen per step from a small fixed set of buckets: a row length from
 the ladder of `ROW_LENGTHS` (8 steps per octave) and `rows * 2^j` rows, within the memory cap
-`rows x length <= token_budget`. For every row length the sequences are placed first-fit-decreasing; the
-bucket and micro-batch count with the fewest token slots (least padding) win. The micro-batch count is
+`rows x length <= token_budget`; a batch that fits in fewer than `rows` rows is one micro-batch of
+`min_rows * 2^j` rows instead (a small batch costs its own tokens, not `rows` rows of padding). For every
+row length the sequences are placed first-fit-decreasing; the bucket and micro-batch count with the fewest
+token slots (least padding) win. The micro-batch count is
 padded up (to a multiple or a power of two), so only a few shapes ever reach jit. `fixed_count_plan` is the
 baseline for comparison: a fixed number of sequences per micro-batch, padded to the longest.
 Legend: N sequences, P mini-batches packed to one shape, M micro-batches, B rows of a micro-batch, L row length.
@@ -42,6 +44,13 @@ class PackingConfig(Config):
         doc="row granularity: a micro-batch has rows * 2^j rows (a multiple of the trainer's data*fsdp shards); "
         "the longest row, so the longest sequence, is token_budget / rows",
     )
+    min_rows: int | None = option(
+        None,
+        gt=0,
+        doc="fewest rows of a micro-batch: a batch that fits in fewer than `rows` rows is one micro-batch of "
+        "min_rows * 2^j rows (so its cost follows its tokens), larger batches use rows * 2^j; null = the "
+        "trainer's data*fsdp shards (outside a trainer: rows)",
+    )
     microbatch_rounding: Literal["multiple", "pow2"] = option(
         "multiple",
         doc="pad the number of micro-batches up to a multiple of microbatch_multiple, or to a power of two",
@@ -61,6 +70,8 @@ class PackingConfig(Config):
             raise ConfigError(
                 "microbatch_multiple", f"is {self.microbatch_multiple} but microbatch_rounding is 'pow2'; set it to 1"
             )
+        if self.min_rows is not None and self.min_rows > self.rows:
+            raise ConfigError("min_rows", f"value {self.min_rows} exceeds rows={self.rows} (the longest row's count)")
         if self.min_row_length > self.row_length:
             raise ConfigError(
                 "min_row_length",
@@ -77,9 +88,16 @@ class PackingConfig(Config):
         shortest = max(longest, self.min_row_length)
         return [n for n in ROW_LENGTHS if shortest <= n < self.row_length] + [self.row_length]
 
+    @property
+    def fewest_rows(self) -> int:
+        """The smallest row count of a bucket: `min_rows`, else `rows`."""
+        return self.min_rows if self.min_rows is not None else self.rows
+
     def row_counts(self, row_length: int) -> list[int]:
-        """The bucket row counts of micro-batches with rows of `row_length`: rows * 2^j within the token budget."""
-        counts, count = [], self.rows
+        """The bucket row counts of micro-batches with rows of `row_length` within the token budget:
+        fewest_rows * 2^j below `rows` (for batches one such micro-batch holds), then rows * 2^j."""
+        small = [self.fewest_rows << j for j in range(self.rows.bit_length()) if self.fewest_rows << j < self.rows]
+        counts, count = [c for c in small if c * row_length <= self.token_budget], self.rows
         while count * row_length <= self.token_budget:
             counts.append(count)
             count *= 2
@@ -255,7 +273,7 @@ def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: Pa
     def bound(row_length: int) -> int:  # no bucket of this row length has fewer slots
         # a row holds at most row_length tokens and at most one sequence longer than half of it
         rows = max(-(-tokens // row_length), *(int(np.sum(2 * lengths > row_length)) for lengths in lengths_P))
-        return num_minibatches * row_length * -(-rows // config.rows) * config.rows
+        return num_minibatches * row_length * -(-rows // config.fewest_rows) * config.fewest_rows
 
     best: tuple[tuple[int, int, int], int, list[_RowPlacement]] | None = None
     for row_length in sorted(config.row_lengths(longest), key=bound):
@@ -264,6 +282,8 @@ def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: Pa
         placements = [first_fit_decreasing(lengths, row_length) for lengths in lengths_P]
         rows_needed = max(placement.num_rows for placement in placements)
         for rows in config.row_counts(row_length):
+            if rows < config.rows and rows < rows_needed:
+                continue  # fewer rows than `rows` only for a batch they hold whole: big batches keep their buckets
             count = config.round_microbatches(-(-rows_needed // rows))
             key = (num_minibatches * count * rows * row_length, count, row_length)
             if best is None or key < best[0]:

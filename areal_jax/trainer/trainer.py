@@ -96,13 +96,18 @@ class Trainer:
                         "reference policy's params (e.g. a copy of the initial checkpoint's) or set it to 0",
                     )
         graphdef, state = nnx.split(model)
-        self.config = config
         self.train_step = TrainStep(graphdef, state, config, mesh, temperature=temperature)
-        if planner is None and config.packing.rows % self.train_step.batch_shards:
-            raise ValueError(
-                f"packing.rows is {config.packing.rows}, not a multiple of the data*fsdp shards "
-                f"({self.train_step.batch_shards}) of mesh {dict(mesh.shape)}"
-            )
+        shards = self.train_step.batch_shards
+        if config.packing.min_rows is None:  # as few rows as a batch needs, split evenly over the shards
+            config = config.replace(packing=config.packing.replace(min_rows=min(shards, config.packing.rows)))
+        self.config = config
+        for key in ("rows", "min_rows"):
+            value = getattr(config.packing, key)
+            if planner is None and value % shards:
+                raise ValueError(
+                    f"packing.{key} is {value}, not a multiple of the data*fsdp shards ({shards}) of mesh "
+                    f"{dict(mesh.shape)}"
+                )
         self.reference_params: nnx.State | None = None
         if reference_params is not None:
             _check_reference(reference_params, state)
