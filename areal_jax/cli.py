@@ -189,8 +189,11 @@ def _print_memory_plan(cfg: Any) -> int:
     plan = plan_memory(cfg, policy_config(cfg, build_tokenizer(cfg)), trainer_mesh, inference_mesh)
     print("\n".join(plan.lines()))
     capacity = device_capacity(list(trainer_mesh.devices.flat))
+    if capacity is None:
+        print("not checked: the devices report no memory limit")
+        return 0
     plan.check(capacity)
-    need = plan.host_total if plan.host else max(side.per_device for side in plan.sides)
+    need = plan.host_total if plan.host else plan.device_total
     print(f"fits: {need / GIB:.1f} GiB of {capacity * USABLE_SHARE / GIB:.1f} GiB usable")
     return 0
 
