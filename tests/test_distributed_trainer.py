@@ -29,6 +29,7 @@ from safetensors.numpy import load_file
 from areal_jax import storage
 from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
 from areal_jax.system.async_rl import load_metrics
+from areal_jax.system.cluster import read_json
 from tests.gcs_emulator import BUCKET, GcsEmulator
 from tests.rollout_log_worker import make_trajectory
 from tests.xla_flags import xla_flags
@@ -96,7 +97,9 @@ def _write_groups_when_ready(run_dir: str, trainer: subprocess.Popen, groups: ra
     """Once `trainer` (process 0) is ready, append `groups` to the run's log as a rollout server does."""
     ready = storage.join(run_dir, "control", "trainer.json")
     deadline = time.monotonic() + 300
-    while not (storage.exists(ready) and json.loads(storage.read_text(ready))["pid"] == trainer.pid):
+    # an earlier trainer's file may be there and vanish as this one starts (`trainer_starting`): read it as the
+    # servers do, missing = not ready
+    while (read_json(ready) or {}).get("pid") != trainer.pid:
         if trainer.poll() is not None:
             raise AssertionError(f"the trainer ended before it was ready:\n{trainer.communicate()[0][-4000:]}")
         assert time.monotonic() < deadline, "the trainer was not ready in time"
