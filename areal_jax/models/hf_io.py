@@ -320,7 +320,8 @@ def load_hf_checkpoint(
     config_file = directory / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{config_file} not found")
-    cfg = config or model_config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+    hf = json.loads(config_file.read_text())
+    cfg = config or model_config_from_hf(hf, **config_overrides)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is not None:
@@ -352,7 +353,7 @@ def load_hf_checkpoint(
     state = nnx.from_flat_state(loaded)
     nbytes = sum(v.get_value().nbytes for v in loaded.values())
     progress.done(
-        f"{cfg.num_params() / 1e6:.0f}M parameters stored as {cfg.export_dtype or 'float32'}, held as "
+        f"{cfg.num_params() / 1e6:.0f}M parameters stored as {checkpoint_dtype(hf)}, held as "
         f"{cfg.param_dtype} ({nbytes / 2**30:.2f} GiB)"
     )
     return cfg, nnx.merge(graphdef, state)
