@@ -440,13 +440,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_command_line(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line, config overrides accepted anywhere among the options (`eval CONFIG --checkpoint
+    DIR eval.files=[...]`): argparse gives a subcommand's positionals only their first run, the later
+    `section.key=value` words are appended to it in order; an unknown option is still an error."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [word for word in extra if word.startswith("-") or not hasattr(args, "rest")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.rest = [*args.rest, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a user mistake ends in one line on stderr and `EXIT_USER_ERROR` (with --debug: its
     traceback), any other exception propagates with its traceback."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("jax", "absl", "orbax", "fsspec", "gcsfs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(argv)
     from areal_jax.system.async_rl import RunFailed
 
     try:

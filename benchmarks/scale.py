@@ -119,6 +119,9 @@ def run_shape(name: str, work: Path, steps: int, cache: Path) -> dict[str, float
     out = subprocess.run([sys.executable, "-m", "areal_jax.cli", "train", "--overwrite", *overrides], cwd=ROOT)
     wall = time.time() - started
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if out.returncode == 2:  # a user error: the plan's check at the run's start refuses what cannot fit
+        print(f"{name}_refused_by_plan: 1 (exit status 2 before anything loaded)")
+        return None
     if out.returncode != 0:
         print(f"{name}_run_failed: {out.returncode} exit status")
         return None

@@ -1,8 +1,11 @@
 """The whole system in one process: rollouts and training overlap within the staleness bound, weights
 flow back with versions, checkpoints resume, and the final export loads."""
 
+import gc
 import os
+import weakref
 
+import jax
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.planning.calibration import read_calibration
 from areal_jax.system.async_rl import _TrainingRun, load_metrics, run_async
 from areal_jax.trainer.checkpoint import TrainCheckpointer
+from areal_jax.weights.in_process import InProcessPublisher
 
 FAST = [
     "train_steps=4",
@@ -27,7 +31,8 @@ FAST = [
 
 
 @pytest.mark.parametrize("eta", [0, 2])
-def test_async_training_runs_within_staleness_and_resumes(tmp_path, eta):
+def test_async_training_runs_within_staleness_and_resumes(tmp_path, monkeypatch, eta):
+    freed = _record_whether_each_publish_frees_the_served_version(monkeypatch)
     overrides = [*FAST, f"output_dir={tmp_path}", f"rollout.staleness.max_head_offpolicyness={eta}"]
     if eta == 0:
         overrides += ["trainer.ppo.kl_coef=0.05"]  # KL to the starting policy, which the run keeps frozen
@@ -39,6 +44,7 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, eta):
     assert summary.version == 4 and summary.steps == 4
     metrics = load_metrics(summary.metrics_file)
     assert [m["train/version"] for m in metrics] == [1, 2, 3, 4]
+    assert freed == [True] * 4  # no version outlives its successor (at 0.5B one engine copy is 1.7 GiB)
     assert all(m["rollout/staleness_max"] <= eta for m in metrics)
     assert all(np.isfinite(m["train/loss"]) for m in metrics)
     if eta == 0:
@@ -63,6 +69,24 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, eta):
     assert resumed.version == 6 and resumed.steps == 2
     metrics = load_metrics(resumed.metrics_file)
     assert [m["train/version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+
+
+def _record_whether_each_publish_frees_the_served_version(monkeypatch) -> list[bool]:
+    """Per in-process publish: whether every engine array of the version served before it was freed once the
+    generator used the new one (nothing, e.g. a local of the set-up, keeps an old version alive)."""
+    freed: list[bool] = []
+    publish = InProcessPublisher.__call__
+
+    def spy(self, params, version):
+        served = self.generator.params
+        refs = [weakref.ref(leaf) for leaf in jax.tree.leaves((served.state, served.layers))]
+        del served
+        publish(self, params, version)
+        gc.collect()
+        freed.append(all(ref() is None for ref in refs))
+
+    monkeypatch.setattr(InProcessPublisher, "__call__", spy)
+    return freed
 
 
 def test_latest_checkpoint_is_read_without_creating_anything(tmp_path):

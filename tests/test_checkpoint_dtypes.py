@@ -135,3 +135,19 @@ def test_a_checkpoint_dtype_that_cannot_load_is_one_line_and_exit_2(tmp_path, ti
     assert main(["train", RECIPE, *overrides]) == 2
     printed = capsys.readouterr().err.strip().splitlines()
     assert len(printed) == 1 and "'float8_e4m3fn' is not supported" in printed[0]
+
+
+def test_compute_dtype_auto_is_bf16_on_accelerators_and_fp32_on_cpu(caplog):
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models.config import ModelConfig
+    from areal_jax.models.decoder import Decoder
+
+    auto = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    assert auto.compute_dtype == "auto"
+    assert [auto.compute_dtype_on(p) for p in ("tpu", "gpu", "cpu")] == ["bfloat16", "bfloat16", "float32"]
+    assert jax.default_backend() == "cpu" and auto.compute_jnp_dtype == jnp.float32
+    Engine(Decoder(auto, nnx.Rngs(0)), EngineConfig(max_slots=2, max_length=32))
+    assert "XLA:CPU converts" not in caplog.text
+    # bf16 set by hand on CPU is honoured, with the cost named
+    Engine(Decoder(auto.replace(compute_dtype="bfloat16"), nnx.Rngs(0)), EngineConfig(max_slots=2, max_length=32))
+    assert "compute_dtype is bfloat16 on CPU: XLA:CPU converts" in caplog.text

@@ -46,8 +46,10 @@ def test_terms_follow_the_config():
     items = _items(plan)
     params = load_experiment(BASE, HEAVY).model.num_params() * 4
     assert items["params"] == params and items["Adam moments"] == 2 * params
+    assert items["engine weights"] == params  # compute_dtype auto is float32 on CPU: the params as they are
     _, bf16 = _single_device_plan([*HEAVY, "model.compute_dtype=bfloat16"])
     assert _items(bf16)["engine weights"] == params // 2  # the engine's serving copy
+    assert _items(bf16)["f32 copies of bf16 weights"] == params  # XLA:CPU converts them at every call
     _, longer = _single_device_plan([*HEAVY, "rollout.engine.max_length=64", "model.max_position_embeddings=64"])
     assert _items(longer)["KV cache"] == 2 * items["KV cache"]
     mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), jax.devices()[:4])

@@ -170,11 +170,11 @@ def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
     config = CONFIG.replace(ppo=CONFIG.ppo.replace(decoupled=False))
     step = TrainStep(graphdef, state, config, single_device_mesh(), temperature=TEMPERATURE)
     (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
-    params, opt_state = step.init(state)
+    params, _ = step.init(state)
     # lowered, not compiled (a compile costs seconds here): the program and its statistics
-    lowered = step._update.lower(step.program, params, opt_state, step.put_batch(batch), None, None, jnp.int32(0))
+    lowered = step._update_gradients.lower(step.program, params, step.put_batch(batch), None, None, jnp.int32(0))
     stats = lowered.out_info[2]
-    assert "ppo/pg_loss" in stats and "train/skipped_updates" in stats and "ppo/iw_mean" not in stats
+    assert "ppo/pg_loss" in stats and "train/grad_norm" in stats and "ppo/iw_mean" not in stats
 
 
 def test_bf16_params_are_updated_in_bf16_when_the_user_chooses_them(caplog):
@@ -186,8 +186,10 @@ def test_bf16_params_are_updated_in_bf16_when_the_user_chooses_them(caplog):
     (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
     params, opt_state = step.init(state)
     # lowered, not compiled: the update keeps bf16 params and Adam moments shaped like them
-    lowered = step._update.lower(step.program, params, opt_state, step.put_batch(batch), None, None, jnp.int32(0))
-    new_params, new_opt_state, _ = lowered.out_info
+    gradients = step._update_gradients.lower(step.program, params, step.put_batch(batch), None, None, jnp.int32(0))
+    grads = gradients.out_info[0]
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+    new_params, new_opt_state, _ = step._apply.lower(step.program, params, opt_state, grads).out_info
     assert {leaf.dtype for leaf in jax.tree.leaves(new_params)} == {jnp.dtype(jnp.bfloat16)}
     assert jnp.dtype(jnp.bfloat16) in {leaf.dtype for leaf in jax.tree.leaves(new_opt_state)}
 
@@ -216,3 +218,41 @@ def test_bf16_compute_keeps_fp32_params_and_adam_state(model_state, single_step)
     logp_32 = np.asarray(single_step.logprobs(params_32, single_step.put_batch(batch)))
     real = batch.segment_ids > 0
     assert 0 < np.max(np.abs(logp_bf16 - logp_32)[real]) < 0.05
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_two_program_update_equals_apply_if_finite(model_state, finite):
+    """The update's AdamW program (or its skip) leaves params and optimizer state exactly where
+    `optax.apply_if_finite(chain(clip, adamw))`, the optimizer the state is made by, leaves them."""
+    graphdef, state = model_state
+    step = TrainStep(graphdef, state, CONFIG, single_device_mesh(), temperature=TEMPERATURE)
+    params, opt_state = step.init(state)
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 3.0, p.dtype), params)
+    if not finite:
+        first = jax.tree.leaves(grads)[0]
+        grads = jax.tree.unflatten(jax.tree.structure(grads), [first.at[0].set(jnp.nan), *jax.tree.leaves(grads)[1:]])
+    updates, want_state = step.program.optimizer().update(grads, opt_state, params)
+    want_params = optax.apply_updates(params, updates)
+    clip, _ = step.program.optimizer_parts()
+    clipped, _ = clip.update(grads, clip.init(grads))
+    copy = functools.partial(jax.tree.map, jnp.copy)
+    if finite:
+        got_params, got_state, stats = step._apply(step.program, copy(params), copy(opt_state), clipped)
+    else:
+        (got_state, stats), got_params = step._skip(copy(opt_state)), params
+    for got, want in ((got_params, want_params), (got_state, want_state)):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert float(stats["train/skipped_updates"]) == (0.0 if finite else 1.0)
+
+
+def test_adamw_program_updates_params_and_moments_in_place(model_state):
+    """The AdamW program needs no buffer beside its donated arguments (the reason the update is two programs)."""
+    graphdef, state = model_state
+    step = TrainStep(graphdef, state, CONFIG, single_device_mesh(), temperature=TEMPERATURE)
+    params, opt_state = step.init(state)
+    compiled = step._apply.lower(step.program, params, opt_state, params).compile()
+    param_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * param_bytes

@@ -221,6 +221,13 @@ class Engine:
         self.buckets = config.prefill_buckets()
         platform = (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         self.layer_copies = config.keeps_layer_copies(platform)
+        if platform == "cpu" and self.model_config.compute_dtype == "bfloat16":
+            logger.warning(
+                "model.compute_dtype is bfloat16 on CPU: XLA:CPU converts bf16 matmul operands to f32, so every "
+                "engine program writes an f32 copy of the weights (%.2f GiB) and decodes several times slower than "
+                "in float32 (benchmarks/cpu_compute_dtype.py); compute_dtype auto chooses float32 here",
+                self.model_config.num_params() * 4 / 2**30,
+            )
         self._decode_shardings = self._make_decode_shardings()
         self.prefill_rows = config.row_buckets(min(config.max_prefill_batch, config.max_slots))
         # The host reads each step's tokens on process 0: over a mesh of several processes they are

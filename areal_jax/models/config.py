@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 from areal_jax.configuration import Config, ConfigError, option
@@ -13,6 +14,15 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # How HF checkpoints store weights (config.json `dtype` / `torch_dtype`): read into `param_dtype`, written back in
 # the checkpoint's own.
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def auto_compute_dtype(platform: str | None = None) -> str:
+    """`compute_dtype: auto` on `platform` (default: JAX's default backend): bfloat16 on TPU and GPU; float32 on
+    CPU, where XLA computes a bf16 matmul in f32 after converting its operands, so bf16 weights cost an f32 copy
+    per program call and the decode step several times its time (benchmarks/cpu_compute_dtype.py)."""
+    return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
+
+
 # The fp32 logits one log-prob chunk builds at once, when `logprob_chunk` is null.
 LOGITS_CHUNK_BYTES = 256 * 2**20
 
@@ -70,7 +80,11 @@ class ModelConfig(Config):
         doc="dtype of exported HF checkpoints; null = the dtype of the HF checkpoint the run started from "
         "(float32 for a random init)",
     )
-    compute_dtype: Literal["float32", "bfloat16"] = option("float32", doc="matmul dtype; norms/softmax stay fp32")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = option(
+        "auto",
+        doc="matmul dtype; norms/softmax stay fp32. auto: bfloat16 on TPU/GPU, float32 on CPU (XLA:CPU converts "
+        "bf16 matmul operands to f32: slower and larger there)",
+    )
     remat: Literal["none", "full", "dots"] = option("none", doc="rematerialise each layer in the backward pass")
     scan_layers: bool = option(
         True,
@@ -123,9 +137,13 @@ class ModelConfig(Config):
     def param_jnp_dtype(self) -> jnp.dtype:
         return DTYPES[self.param_dtype]
 
+    def compute_dtype_on(self, platform: str | None = None) -> str:
+        """`compute_dtype` with auto resolved for `platform` (default: JAX's default backend)."""
+        return auto_compute_dtype(platform) if self.compute_dtype == "auto" else self.compute_dtype
+
     @property
     def compute_jnp_dtype(self) -> jnp.dtype:
-        return DTYPES[self.compute_dtype]
+        return DTYPES[self.compute_dtype_on()]
 
     @property
     def resolved_export_dtype(self) -> str:

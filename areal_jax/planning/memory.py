@@ -152,7 +152,9 @@ def _layer_activations(model: ModelConfig, tokens: int, row_length: int, rows: i
     return 2 * tokens * per_token * dtype_bytes + scores
 
 
-def trainer_items(cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int]) -> list[MemoryItem]:
+def trainer_items(
+    cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
+) -> list[MemoryItem]:
     """Per trainer device: the state, the largest micro-batch's activations, logits, temporaries."""
     param_shards = _shards(mesh_shape, "fsdp", "tensor")
     params = model.num_params() * _bytes(model.param_dtype) // param_shards
@@ -160,7 +162,8 @@ def trainer_items(cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[st
     batch_shards = _shards(mesh_shape, "data", "fsdp")
     rows = max(1, packing.rows // batch_shards)
     tokens = rows * packing.row_length
-    c = _bytes(model.compute_dtype if cfg.trainer.compute_dtype == "model" else cfg.trainer.compute_dtype)
+    trainer_dtype = cfg.trainer.compute_dtype
+    c = _bytes(model.compute_dtype_on(platform) if trainer_dtype == "model" else trainer_dtype)
     layer = _layer_activations(model, tokens, packing.row_length, rows, c) // _shards(mesh_shape, "tensor")
     saved = tokens * model.hidden_size * c  # a layer's input, kept for the backward pass
     if model.remat == "full":
@@ -197,8 +200,9 @@ def inference_items(
     engine: EngineConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
 ) -> list[MemoryItem]:
     """Per inference device: weights (serving dtype), per-layer copies, KV cache, prefill/decode temporaries."""
-    served = min(_bytes(model.param_dtype), _bytes(model.compute_dtype))
-    c = _bytes(model.compute_dtype)
+    compute = model.compute_dtype_on(platform)
+    served = min(_bytes(model.param_dtype), _bytes(compute))
+    c = _bytes(compute)
     weight_shards = _shards(mesh_shape, "fsdp", "tensor")
     weights = model.num_params() * served // weight_shards
     k, h, y = model.num_kv_heads, model.resolved_head_dim, model.num_layers
@@ -220,7 +224,7 @@ def inference_items(
     decode = engine.max_slots * model.vocab_size * 4 * 4  # logits and the sampler's sorted copies
     items = [
         MemoryItem(
-            f"engine weights ({model.compute_dtype if served == c else model.param_dtype})",
+            f"engine weights ({compute if served == c else model.param_dtype})",
             weights,
             ("model.compute_dtype",),
         )
@@ -237,6 +241,10 @@ def inference_items(
         ),
         MemoryItem("decode logits and sampling", decode, ("rollout.engine.max_slots",)),
     ]
+    if platform == "cpu" and c < 4:
+        # XLA:CPU converts bf16 matmul operands to f32, the scanned layers' weights once per call
+        converted = model.num_params() * 4 // weight_shards
+        items.append(MemoryItem("f32 copies of bf16 weights (XLA:CPU)", converted, ("model.compute_dtype",)))
     return items
 
 
@@ -259,7 +267,7 @@ def plan_memory(
             "trainer",
             trainer_mesh.devices.size,
             dict(trainer_mesh.shape),
-            _with_overhead(trainer_items(cfg, model, dict(trainer_mesh.shape))),
+            _with_overhead(trainer_items(cfg, model, dict(trainer_mesh.shape), platform)),
         )
     ]
     shared = False

@@ -337,8 +337,10 @@ class InProcessRollouts:
         self.sink = GroupLogSink(
             RolloutLogWriter(storage.join(cfg.run_location, "rollout_log"), writer_id=writer_id, config=cfg.rollout.log)
         )
+        generator = Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed)
+        del params  # the generator owns the weights: a local here would pin version 0 for the whole run
         try:
-            with Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed) as generator:
+            with generator:
                 trainer.publish = InProcessPublisher(generator, self.staleness, cfg.rollout.interrupt)
                 self.generator = generator
                 self.controller = RolloutController(

@@ -142,6 +142,7 @@ def _serve(
     try:
         first = subscriber.load(subscriber.latest_version(), target)
         params = engine.load_params(first.params, first.version)
+        first = dataclasses.replace(first, params=None)  # the engine has its copy: not kept for the run
         engine.warmup(params)
         with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
             train_prompts, heldout = build_prompts(cfg, workflow)
@@ -164,7 +165,9 @@ def _serve(
                 log_dir, writer_id=f"rollout{server}-{time.time_ns()}-{os.getpid()}", config=cfg.rollout.log
             )
             sink = GroupLogSink(writer)
-            with Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed) as generator:
+            generator = Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed)
+            del params  # the generator owns the weights: a local here would pin the first version for the run
+            with generator:
                 controller = RolloutController(
                     generator, workflow, tasks, staleness, sink, failures=cfg.rollout.failures
                 ).start()

@@ -6,9 +6,14 @@ on B over `data` + `fsdp`. An update is one `jax.jit` per batch shape: a `lax.sc
 accumulates the gradient of the decoupled PPO loss (normalised by the mini-batch's loss-token count, so the
 sum over micro-batches is the mini-batch loss; with the KL-to-reference loss term and the KL reward shaping
 when their coefficients are > 0), then the optimizer of `make_optimizer` is applied; params and optimizer
-state are donated. An update whose gradient is not finite (a non-finite loss gives one) is skipped by
-`optax.apply_if_finite`: params and AdamW state stay as they were (the schedule does not advance), the
-optimizer state counts the skip, and the update reports `train/skipped_updates = 1`.
+state are donated. An update whose gradient is not finite (a non-finite loss gives one) is skipped with
+`optax.apply_if_finite`'s semantics and state: params and AdamW state stay as they were (the schedule does not
+advance), the optimizer state counts the skip, and the update reports `train/skipped_updates = 1`.
+
+An update is two programs: the gradient (clipped, with its finiteness), then, only when it is finite, AdamW
+with params, optimizer state and gradient donated. In one program the skip's select between the new and the
+old AdamW state keeps a second gradient-sized buffer alive (`apply_if_finite` and `lax.cond` alike: XLA
+cannot update the moments in place while the old ones may still be chosen): 1.84 GiB at Qwen2.5-0.5B.
 
 The traced functions are module-level and take everything static as one hashable `_Program`, so two
 `TrainStep`s of the same model, config and mesh share their compiled programs.
@@ -80,10 +85,10 @@ def decay_mask(params: nnx.State) -> nnx.State:
     return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(config: OptimizerConfig, params: nnx.State) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with the lr schedule injected (the named value `learning_rate` of
-    its state is the lr of the newest update) and weight decay on `decay_mask(params)`; an update whose
-    gradient is not finite is skipped (`optax.apply_if_finite`, which here never gives up)."""
+def optimizer_parts(
+    config: OptimizerConfig, params: nnx.State
+) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+    """(global-norm clipping or None, AdamW) of `make_optimizer`."""
     adamw = optax.inject_hyperparams(optax.adamw)(
         learning_rate=learning_rate_schedule(config),
         b1=config.beta1,
@@ -92,8 +97,16 @@ def make_optimizer(config: OptimizerConfig, params: nnx.State) -> optax.Gradient
         weight_decay=config.weight_decay,
         mask=decay_mask(params),
     )
-    clip = [] if config.grad_clip is None else [optax.clip_by_global_norm(config.grad_clip)]
-    return optax.apply_if_finite(optax.chain(*clip, adamw), max_consecutive_errors=_NEVER)
+    return (None if config.grad_clip is None else optax.clip_by_global_norm(config.grad_clip)), adamw
+
+
+def make_optimizer(config: OptimizerConfig, params: nnx.State) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the lr schedule injected (the named value `learning_rate` of
+    its state is the lr of the newest update) and weight decay on `decay_mask(params)`; an update whose
+    gradient is not finite is skipped (`optax.apply_if_finite`, which here never gives up). Its state is the
+    trainer's optimizer state; the train step applies its parts in two programs (module docstring)."""
+    clip, adamw = optimizer_parts(config, params)
+    return optax.apply_if_finite(optax.chain(*([] if clip is None else [clip]), adamw), max_consecutive_errors=_NEVER)
 
 
 def learning_rate(opt_state: optax.OptState) -> jax.Array:
@@ -155,8 +168,13 @@ class _Program:
         return self.ppo.kl_coef > 0 or self.kl_reward_coef > 0
 
     def optimizer(self) -> optax.GradientTransformation:
-        placeholders = jax.tree.unflatten(self.params_def, [0] * len(self.param_sharding_leaves))
-        return make_optimizer(self.optimizer_config, placeholders)
+        return make_optimizer(self.optimizer_config, self._placeholders())
+
+    def optimizer_parts(self) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
+        return optimizer_parts(self.optimizer_config, self._placeholders())
+
+    def _placeholders(self) -> Any:
+        return jax.tree.unflatten(self.params_def, [0] * len(self.param_sharding_leaves))
 
 
 def _logprobs_fn(scorer: _Scorer, params: nnx.State, batch: PackedBatch) -> jax.Array:
@@ -241,26 +259,59 @@ def _gradients_fn(
     return jnp.sum(loss_M), grads, merge_stats(stats_M)
 
 
-def _update_fn(
+def _update_gradients_fn(
     program: _Program,
     params: nnx.State,
-    opt_state: optax.OptState,
     batch: PackedBatch,
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
-) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
+) -> tuple[nnx.State, jax.Array, dict[str, jax.Array]]:
+    """The update's first program: (clipped gradient, whether the gradient is finite, statistics)."""
     loss, grads, stats = _gradients_fn(program, params, batch, logp_prox_MxBxL, logp_ref_MxBxL, version)
-    updates, opt_state = program.optimizer().update(grads, opt_state, params)
-    skipped = jnp.logical_not(optax.tree_utils.tree_get(opt_state, "last_finite"))
+    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))  # apply_if_finite's
     stats |= {
         "train/loss": loss,
         "train/grad_norm": optax.tree.norm(grads),
-        "train/lr": learning_rate(opt_state),  # this update's, or on a skip the last applied one's
-        "train/skipped_updates": skipped.astype(jnp.float32),
         "train/loss_tokens": count_loss_tokens(batch.loss_mask).astype(jnp.float32),
     }
-    return optax.apply_updates(params, updates), opt_state, stats
+    clip, _ = program.optimizer_parts()
+    if clip is not None:
+        grads, _ = clip.update(grads, clip.init(grads))
+    return grads, finite, stats
+
+
+def _apply_fn(
+    program: _Program, params: nnx.State, opt_state: optax.ApplyIfFiniteState, grads: nnx.State
+) -> tuple[nnx.State, optax.ApplyIfFiniteState, dict[str, jax.Array]]:
+    """The update's second program, for a finite (clipped) gradient: AdamW, and the counters of
+    `optax.apply_if_finite` as it sets them for a finite update."""
+    _, adamw = program.optimizer_parts()
+    updates, adamw_state = adamw.update(grads, opt_state.inner_state[-1], params)
+    opt_state = opt_state._replace(
+        notfinite_count=jnp.zeros_like(opt_state.notfinite_count),
+        last_finite=jnp.array(True),
+        inner_state=(*opt_state.inner_state[:-1], adamw_state),
+    )
+    return optax.apply_updates(params, updates), opt_state, _applied_stats(opt_state)
+
+
+def _skip_fn(opt_state: optax.ApplyIfFiniteState) -> tuple[optax.ApplyIfFiniteState, dict[str, jax.Array]]:
+    """A non-finite gradient's update: params and AdamW state unchanged, the skip counted as
+    `optax.apply_if_finite` counts it."""
+    opt_state = opt_state._replace(
+        notfinite_count=optax.safe_increment(opt_state.notfinite_count),
+        last_finite=jnp.array(False),
+        total_notfinite=optax.safe_increment(opt_state.total_notfinite),
+    )
+    return opt_state, _applied_stats(opt_state)
+
+
+def _applied_stats(opt_state: optax.ApplyIfFiniteState) -> dict[str, jax.Array]:
+    return {
+        "train/lr": learning_rate(opt_state),  # this update's, or on a skip the last applied one's
+        "train/skipped_updates": jnp.logical_not(opt_state.last_finite).astype(jnp.float32),
+    }
 
 
 def _init_fn(program: _Program, params: nnx.State) -> optax.OptState:
@@ -293,7 +344,7 @@ class TrainStep:
                 model_config.param_dtype,
                 model_config.param_dtype,
             )
-        if config.compute_dtype not in ("model", model_config.compute_dtype):
+        if config.compute_dtype not in ("model", model_config.compute_dtype_on(mesh.devices.flat[0].platform)):
             model_config = model_config.replace(compute_dtype=config.compute_dtype)
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(model_config, nnx.Rngs(0))))
         self.graphdef = graphdef
@@ -331,13 +382,20 @@ class TrainStep:
             in_shardings=(params_sh, batch_sh, batch_sh, batch_sh, replicated),
             out_shardings=(replicated, params_sh, replicated),
         )
-        self._update = jax.jit(
-            _update_fn,
+        self._update_gradients = jax.jit(
+            _update_gradients_fn,
             static_argnums=0,
-            in_shardings=(params_sh, opt_sh, batch_sh, batch_sh, batch_sh, replicated),
-            out_shardings=(params_sh, opt_sh, replicated),
-            donate_argnums=(1, 2),
+            in_shardings=(params_sh, batch_sh, batch_sh, batch_sh, replicated),
+            out_shardings=(params_sh, replicated, replicated),
         )
+        self._apply = jax.jit(
+            _apply_fn,
+            static_argnums=0,
+            in_shardings=(params_sh, opt_sh, params_sh),
+            out_shardings=(params_sh, opt_sh, replicated),
+            donate_argnums=(1, 2, 3),
+        )
+        self._skip = jax.jit(_skip_fn, in_shardings=(opt_sh,), out_shardings=(opt_sh, replicated), donate_argnums=0)
 
     @property
     def uses_reference(self) -> bool:
@@ -405,7 +463,13 @@ class TrainStep:
         the trainer's policy version, against which token staleness is measured.
         """
         prox, ref = self._prox_arg(logp_prox), self._ref_arg(logp_ref)
-        return self._update(self.program, params, opt_state, batch, prox, ref, jnp.int32(version))
+        grads, finite, stats = self._update_gradients(self.program, params, batch, prox, ref, jnp.int32(version))
+        if bool(finite.addressable_data(0)):  # waits for the gradient: the next program depends on it
+            params, opt_state, applied = self._apply(self.program, params, opt_state, grads)
+        else:
+            del grads
+            opt_state, applied = self._skip(opt_state)
+        return params, opt_state, stats | applied
 
     @property
     def needs_prox_pass(self) -> bool:
