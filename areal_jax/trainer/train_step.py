@@ -11,7 +11,7 @@ state are donated. An update whose gradient is not finite (a non-finite loss giv
 advance), the optimizer state counts the skip, and the update reports `train/skipped_updates = 1`.
 
 An update is two programs: the gradient (clipped, with its finiteness), then, only when it is finite, AdamW
-with params, optimizer state and gradient donated. In one program the skip's select between the new and the
+with params and optimizer state donated. In one program the skip's select between the new and the
 old AdamW state keeps a second gradient-sized buffer alive (`apply_if_finite` and `lax.cond` alike: XLA
 cannot update the moments in place while the old ones may still be chosen): 1.84 GiB at Qwen2.5-0.5B.
 
@@ -393,7 +393,7 @@ class TrainStep:
             static_argnums=0,
             in_shardings=(params_sh, opt_sh, params_sh),
             out_shardings=(params_sh, opt_sh, replicated),
-            donate_argnums=(1, 2, 3),
+            donate_argnums=(1, 2),  # params and state, updated in place (the gradient has no output to alias)
         )
         self._skip = jax.jit(_skip_fn, in_shardings=(opt_sh,), out_shardings=(opt_sh, replicated), donate_argnums=0)
 
