@@ -21,12 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_jax.configuration import ConfigError, describe, to_yaml
+from areal_jax.exit_codes import EXIT_RESUMABLE, EXIT_RUN_FAILED, EXIT_USER_ERROR
 
 logger = logging.getLogger("areal_jax")
-
-EXIT_USER_ERROR = 2  # a user mistake (see `_user_errors`): one line on stderr, the traceback with --debug
-EXIT_RUN_FAILED = 1  # the run stopped itself (failing rollouts, every update skipped): the message says why
-EXIT_RESUMABLE = 75  # EX_TEMPFAIL: stopped by SIGTERM/SIGINT after writing a checkpoint; rerun with --resume
 
 
 def _user_errors() -> tuple[tuple[type[Exception], str], ...]:

@@ -10,15 +10,14 @@ from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, load, option
 from areal_jax.data.pipeline import PipelineConfig
 from areal_jax.data.tasks import TaskDataConfig
-from areal_jax.evaluation import EvalConfig
+from areal_jax.eval_config import EvalConfig
 from areal_jax.models.config import ModelConfig
 from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
 from areal_jax.rollout.rewards import RewardConfig
-from areal_jax.sft import WarmStartConfig
+from areal_jax.sft_config import WarmStartConfig
 from areal_jax.sharding import MeshConfig
-from areal_jax.system.cluster import ClusterConfig, DistributedConfig
-from areal_jax.system.reporting import ReportConfig
+from areal_jax.system.config import ClusterConfig, DistributedConfig, ReportConfig
 from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainerConfig
 

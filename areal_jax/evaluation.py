@@ -49,10 +49,11 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from areal_jax import storage
-from areal_jax.configuration import Config, ConfigError, option, to_dict
-from areal_jax.data.datasets import DatasetConfig, PromptRecord, load_prompts
+from areal_jax.configuration import ConfigError, to_dict
+from areal_jax.data.datasets import PromptRecord, load_prompts
 from areal_jax.data.tasks import drop_long_prompts
 from areal_jax.data.trajectory import Trajectory
+from areal_jax.eval_config import EvalConfig
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
@@ -68,42 +69,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OVERALL = "overall"
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig(Config):
-    """Evaluation: which prompts (`areal-jax eval`, and the held-out split during training) and how they are sampled."""
-
-    every_steps: int = option(0, ge=0, doc="train: evaluate the held-out split every N trainer steps; 0 = off")
-    samples_per_prompt: int = option(1, ge=1, doc="k: samples per prompt (pass@k, avg@k); > 1 needs temperature > 0")
-    temperature: float = option(0.0, ge=0, doc="sampling temperature; 0 = greedy")
-    top_k: int = option(0, ge=0, doc="keep the k most likely tokens; 0 = off")
-    top_p: float = option(1.0, gt=0, le=1, doc="nucleus mass to keep; 1 = off")
-    max_new_tokens: int | None = option(
-        None, ge=1, doc="tokens generated per sample at most; null = rollout.workflow.sampling.max_new_tokens"
-    )
-    files: tuple[DatasetConfig, ...] = option(
-        (), doc="datasets for `areal-jax eval`; empty = the run's held-out split of `dataset` (dataset.heldout)"
-    )
-    max_prompts: int = option(0, ge=0, doc="prompts per dataset at most (the first ones); 0 = all")
-
-    def validate(self) -> None:
-        if self.samples_per_prompt > 1 and self.temperature == 0:
-            raise ConfigError(
-                "samples_per_prompt",
-                f"value {self.samples_per_prompt} with temperature=0 (greedy) draws {self.samples_per_prompt} "
-                "identical samples; set temperature > 0 or samples_per_prompt=1",
-            )
-
-    def sampling(self, base: SamplingParams, seed: int) -> SamplingParams:
-        """`base` (the workflow's sampling: stop ids and strings) with the evaluation's settings and `seed`."""
-        return base.replace(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            max_new_tokens=self.max_new_tokens or base.max_new_tokens,
-            seed=seed,
-        )
 
 
 # -- per-sample results and metrics -------------------------------------------------------------------
@@ -539,7 +504,8 @@ def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | 
     """`areal-jax eval`: load the checkpoint onto the inference mesh, evaluate it on `cfg.eval`'s prompts
     with `cfg`'s workflow and reward, and write the report into `output_dir`."""
     # imported here, not at the top: assembly imports areal_jax.config, which imports this module for EvalConfig
-    from areal_jax.system.assembly import build_meshes, build_tokenizer, build_workflow, load_policy
+    from areal_jax.system.assembly import build_meshes, build_tokenizer, build_workflow
+    from areal_jax.system.starting_policy import load_policy
 
     cfg = eval_experiment(cfg, source)
     check_eval_length(cfg)

@@ -27,32 +27,13 @@ import optax
 from flax import nnx
 
 from areal_jax import storage
-from areal_jax.configuration import Config, ConfigError, option, to_dict
+from areal_jax.configuration import ConfigError, to_dict
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.sft_config import CHECKPOINT_DIR, SUMMARY_FILE, WARM_START_DIR, WarmStartConfig
 
 logger = logging.getLogger(__name__)
-
-WARM_START_DIR = "warm_start"
-SUMMARY_FILE = "summary.json"
-CHECKPOINT_DIR = "hf"
-
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig(Config):
-    """A short supervised fit to the task's answers before RL (random init only); 0 steps = off."""
-
-    steps: int = option(0, ge=0, doc="optimizer steps of the warm start; 0 = none (RL starts from the random init)")
-    batch_size: int = option(64, ge=1, doc="prompt/answer pairs per step (drawn with the run seed)")
-    lr: float = option(3e-3, gt=0, doc="peak learning rate (AdamW, linear warmup then cosine decay to lr / 10)")
-    warmup_steps: int = option(20, ge=0, doc="linear warmup steps")
-    heldout_examples: int = option(256, ge=0, doc="held-out prompts scored before and after (teacher-forced)")
-    balance_answer_lengths: bool = option(
-        False,
-        doc="draw examples so that every answer length (in tokens) is equally likely, not every example: a task "
-        "whose short answers are rare (running sums: 25 two-term problems of 3,900) otherwise teaches only long ones",
-    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ What each operation promises on both kinds of location:
 from __future__ import annotations
 
 import functools
+import json
 import os
 import posixpath
 import shutil
@@ -248,3 +249,15 @@ def download_tree(location: Location, local_dir: Location) -> None:
     """Copy every file below remote directory `location` to the same relative path below `local_dir`."""
     for relative in files_below(location):
         download(join(location, relative), os.path.join(local_dir, relative))
+
+
+def write_json_atomic(location: Location, value: Any) -> None:
+    """Readers see the old file or the new one, never a half-written one (local or gs://)."""
+    write_atomic(location, json.dumps(value, sort_keys=True))
+
+
+def read_json(location: Location) -> Any | None:
+    try:
+        return json.loads(read_text(location))
+    except FileNotFoundError:
+        return None

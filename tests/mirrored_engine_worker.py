@@ -107,9 +107,9 @@ def _measure(engine: Any, params: Any) -> float:
 
 
 def main(mode: str, store_dir: Path, out: Path, process: int, port: int) -> None:
+    from areal_jax.multiprocess import TrainerProcesses
     from areal_jax.system.command_channel import CommandReceiver, CommandSender
     from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
-    from areal_jax.system.trainer_processes import TrainerProcesses
 
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process)
     engine, target = make_engine(jax.devices())

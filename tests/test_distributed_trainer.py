@@ -28,8 +28,8 @@ from safetensors.numpy import load_file
 
 from areal_jax import storage
 from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from areal_jax.storage import read_json
 from areal_jax.system.async_rl import load_metrics
-from areal_jax.system.cluster import read_json
 from tests.gcs_emulator import BUCKET, GcsEmulator
 from tests.rollout_log_worker import make_trajectory
 from tests.xla_flags import xla_flags

@@ -31,7 +31,8 @@ from areal_jax.inference.generator import Generator
 from areal_jax.models.hf_io import save_hf_checkpoint
 from areal_jax.rollout.rewards import Reward
 from areal_jax.sharding import make_mesh
-from areal_jax.system.assembly import build_prompts, build_tokenizer, build_workflow, load_policy
+from areal_jax.system.assembly import build_prompts, build_tokenizer, build_workflow
+from areal_jax.system.starting_policy import load_policy
 from areal_jax.trainer.checkpoint import CheckpointConfig, TrainCheckpointer
 from areal_jax.trainer.trainer import Trainer
 

@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from areal_jax.cli import EXIT_RESUMABLE
 from areal_jax.config import load_experiment
 from areal_jax.data.tasks import TaskStream, arithmetic_records
+from areal_jax.exit_codes import EXIT_RESUMABLE
 from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.system.async_rl import load_metrics
 from areal_jax.trainer.checkpoint import TrainCheckpointer

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from areal_jax import storage
-from areal_jax.cli import EXIT_RESUMABLE, EXIT_USER_ERROR, main
+from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError, to_yaml
+from areal_jax.exit_codes import EXIT_RESUMABLE, EXIT_USER_ERROR
 from areal_jax.models.hf_io import model_config_to_hf
 from areal_jax.system import async_rl
 from areal_jax.system.run_dir import (

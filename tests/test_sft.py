@@ -26,8 +26,9 @@ from areal_jax.sft import (
     heldout_scores,
     train_warm_start,
 )
-from areal_jax.system.assembly import build_tokenizer, load_policy
+from areal_jax.system.assembly import build_tokenizer
 from areal_jax.system.run_dir import prepare_run_dir
+from areal_jax.system.starting_policy import load_policy
 
 TINY = ModelConfig(
     family="qwen2",

@@ -24,7 +24,8 @@ from areal_jax.models.tokenizer import CharTokenizer
 from areal_jax.rewards.synthetic import ChainSumTaskConfig, chain_sum_reward
 from areal_jax.rollout.environments import CodeFeedbackEnvironment, MathRetryEnvironment
 from areal_jax.rollout.rewards import Reward, RewardConfig
-from areal_jax.system.assembly import build_prompts, build_workflow, check_reward_fields, load_policy
+from areal_jax.system.assembly import build_prompts, build_workflow, check_reward_fields
+from areal_jax.system.starting_policy import load_policy
 
 
 def _records(n: int) -> list[PromptRecord]:

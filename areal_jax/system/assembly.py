@@ -22,7 +22,7 @@ from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import drop_long_prompts, load_task_records, split_heldout
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import load_hf_checkpoint, model_config_from_hf, save_hf_checkpoint
+from areal_jax.models.hf_io import model_config_from_hf, save_hf_checkpoint
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import CHAR_SPEC, Tokenizer, load_tokenizer
 from areal_jax.rollout.rewards import Reward, RewardConfig
@@ -86,7 +86,7 @@ def check_architecture_overrides(model: ModelConfig, checkpoint: ModelConfig, so
             )
 
 
-def _checkpoint_config(cfg: ExperimentConfig, source: str, tokenizer: Tokenizer) -> ModelConfig:
+def checkpoint_config(cfg: ExperimentConfig, source: str, tokenizer: Tokenizer) -> ModelConfig:
     """The architecture of the HF checkpoint at `source` with the run's `model.*` run-time choices over it."""
     hf = _hf_config(source)
     limit = _vocab_limit(int(hf["vocab_size"]), tokenizer, "hf_checkpoint")
@@ -111,7 +111,7 @@ def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
     tokenizer's, without reading any weights."""
     if cfg.hf_checkpoint is None:
         return cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
-    return _checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
+    return checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
 
 
 def abstract_policy(cfg: ExperimentConfig, tokenizer: Tokenizer) -> Decoder:
@@ -131,25 +131,6 @@ def random_policy(cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer
     """A random init of `cfg.model` with `cfg.seed` on `mesh`, its padded vocabulary masked to the tokenizer's."""
     limit = _vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size")
     return create_decoder(cfg.model.replace(vocab_limit=limit), cfg.seed, mesh)
-
-
-def load_policy(
-    cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer, checkpoint: str | None = None
-) -> Decoder:
-    """The starting policy: the HF checkpoint `checkpoint` (default `cfg.hf_checkpoint`), else the run's
-    supervised warm start when `warm_start.steps` > 0 (cached in the run directory, trained on first use;
-    see `areal_jax.sft`), else a random init of `cfg.model` with `cfg.seed`; placed on `mesh`, its padded
-    vocabulary masked to the tokenizer's."""
-    source = checkpoint if checkpoint is not None else cfg.hf_checkpoint
-    if source is None and cfg.warm_start.steps:
-        from areal_jax.sft import warm_start_checkpoint  # it assembles its prompts from this module
-
-        source = str(warm_start_checkpoint(cfg, tokenizer))
-    if source is None:
-        return random_policy(cfg, mesh, tokenizer)
-    config = _checkpoint_config(cfg, source, tokenizer)
-    _, model = load_hf_checkpoint(source, mesh=mesh, config=config)
-    return model
 
 
 def export_policy(cfg: ExperimentConfig, model: Decoder, directory: str | Path) -> Path:

@@ -45,6 +45,7 @@ from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.init import abstract_like
+from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.planning.memory import check_memory
 from areal_jax.profiling import ProfileWindow
 from areal_jax.progress import heartbeat
@@ -59,13 +60,13 @@ from areal_jax.system.assembly import (
     build_tokenizer,
     build_workflow,
     export_policy,
-    load_policy,
     policy_config,
 )
 from areal_jax.system.reporting import BATCH_WAIT, QUEUE, RunReporter
 from areal_jax.system.run_dir import check_run_dir, start_run_dir
 from areal_jax.system.run_mirror import mirroring, pull_records, reset_local_copy
-from areal_jax.system.trainer_processes import SharedBatches, TrainerProcesses
+from areal_jax.system.starting_policy import load_policy
+from areal_jax.system.trainer_processes import SharedBatches
 from areal_jax.trainer.checkpoint import CheckpointError, TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import abstract_target

@@ -33,8 +33,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from areal_jax.cli import EXIT_RESUMABLE
 from areal_jax.config import ExperimentConfig
+from areal_jax.exit_codes import EXIT_RESUMABLE
 from areal_jax.system.cluster import ControlFiles
 
 logger = logging.getLogger(__name__)

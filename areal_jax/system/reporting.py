@@ -31,7 +31,6 @@ within a piece.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -42,7 +41,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from rich.console import Console, Group, RenderableType
@@ -52,7 +51,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.configuration import ConfigError
+from areal_jax.system.config import ReportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,17 +79,6 @@ KEPT_BY_STALENESS = "pipeline/kept_by_staleness/"
 
 _TAG_REFUSED = re.compile(r"[^-/\w.]")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportConfig(Config):
-    """What a run shows while it trains and writes besides metrics.jsonl, TensorBoard and train.log."""
-
-    wandb_project: str = option("", doc="Weights & Biases project to log every step to (needs wandb); empty = off")
-    live: Literal["auto", "always", "never"] = option(
-        "auto", doc="live progress display on stderr; auto = when stderr is a terminal"
-    )
-    plots: bool = option(True, doc="write PNG plots of reward, staleness and throughput into <run>/plots at the end")
 
 
 History = list[tuple[int, dict[str, float]]]

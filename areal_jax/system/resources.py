@@ -19,7 +19,8 @@ from typing import Any
 import jax
 
 from areal_jax import storage
-from areal_jax.system.cluster import control_dir, read_json, write_json_atomic
+from areal_jax.storage import read_json, write_json_atomic
+from areal_jax.system.cluster import control_dir
 
 _PREFIX = "resources-"
 

@@ -42,6 +42,7 @@ from areal_jax.data.tasks import TaskStream
 from areal_jax.evaluation import evaluate
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
+from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
@@ -60,7 +61,6 @@ from areal_jax.system.cluster import (
 from areal_jax.system.command_channel import CommandReceiver, CommandSender, PeerLost
 from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
 from areal_jax.system.run_mirror import mirroring
-from areal_jax.system.trainer_processes import TrainerProcesses
 from areal_jax.system.weight_paths import open_subscriber
 from areal_jax.weights.base import WeightSubscriber, abstract_target
 

@@ -23,7 +23,7 @@ from typing import Any
 from areal_jax import __version__, storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import ConfigError, to_dict, to_yaml
-from areal_jax.sft import WARM_START_DIR
+from areal_jax.sft_config import WARM_START_DIR
 from areal_jax.system.reporting import OUTPUTS as REPORT_OUTPUTS
 
 logger = logging.getLogger(__name__)

@@ -32,11 +32,11 @@ import orbax.checkpoint as ocp
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.generator import GeneratorStats
+from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.sharding import make_mesh
 from areal_jax.system.async_rl import RunSummary, train
 from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
 from areal_jax.system.reporting import QUEUE
-from areal_jax.system.trainer_processes import TrainerProcesses
 from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import WeightPublisher, checkpoint_location

@@ -48,9 +48,9 @@ import jax.numpy as jnp
 from jax.experimental import transfer
 
 from areal_jax import storage
+from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.sharding import copy_to
-from areal_jax.system.cluster import read_json, write_json_atomic
-from areal_jax.system.trainer_processes import TrainerProcesses
+from areal_jax.storage import read_json, write_json_atomic
 from areal_jax.weights.base import LoadedWeights, poll_for_version, target_shardings, tree_nbytes
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
 from areal_jax.weights.pieces import LeafPlan, LeafSpec, offered_pieces, plan_leaf
