@@ -6,13 +6,15 @@ with the loop unpipelined, `pipelined_vs_not`) and by HF `generate` (torch, CPU)
 FLOP/s as a fraction of the matmul peak measured in the same run, and the ceiling: tokens/s if a decode
 step cost only its weight matmuls (no attention, norms, sampling, cache writes or host loop).
 
-Prints `name: value unit` lines; `ratio engine_vs_hf`, then last `ratio engine_vs_ceiling: X.XX` (engine
+Where torch and transformers are not installed (the main job's environment; the test command installs them) the HF
+side is skipped with a line saying so. Prints `name: value unit` lines; `ratio engine_vs_hf`, then last `ratio engine_vs_ceiling: X.XX` (engine
 tokens/s over the weight-matmul ceiling's).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 import time
 from pathlib import Path
@@ -55,7 +57,7 @@ def engine_vs_ceiling(repeats: int) -> float:
                 seconds[pipelined] = min(seconds[pipelined], time.perf_counter() - started)
     engine_seconds = seconds[True]
     engine_tps = SEQUENCES * NEW_TOKENS / engine_seconds
-    hf_tps = hf_generate_throughput(checkpoint, prompts, repeats)
+    hf_tps = hf_generate_throughput(checkpoint, prompts, repeats) if _hf_installed() else None
     tmp.cleanup()
 
     peak = measure_matmul_peak()
@@ -66,7 +68,10 @@ def engine_vs_ceiling(repeats: int) -> float:
     print(f"engine_throughput: {engine_tps:.1f} tokens/s")
     print(f"engine_unpipelined_throughput: {SEQUENCES * NEW_TOKENS / seconds[False]:.1f} tokens/s")
     print(f"pipelined_vs_not: {seconds[False] / seconds[True]:.2f} x")
-    print(f"hf_generate_throughput: {hf_tps:.1f} tokens/s")
+    if hf_tps is None:
+        print("hf_generate: skipped (torch and transformers not installed: pip install -r requirements-dev.txt)")
+    else:
+        print(f"hf_generate_throughput: {hf_tps:.1f} tokens/s")
     print(f"engine_flops_fraction_of_peak: {engine_flops / peak:.3f} fraction")
     # A target above the ceiling is out of reach for any XLA engine on this machine.
     decode_floor = weight_matmul_floor_seconds(cfg, SEQUENCES)
@@ -78,11 +83,18 @@ def engine_vs_ceiling(repeats: int) -> float:
     workload_floor = NEW_TOKENS * decode_floor + prefill_floor
     print(f"prefill_share_of_workload_floor: {prefill_floor / workload_floor:.2f} fraction")
     print(f"engine_vs_workload_floor: {workload_floor / engine_seconds:.2f} x")
-    print(f"ceiling_engine_vs_hf: {floor_tps / hf_tps:.2f} x")
-    print(f"ratio engine_vs_hf: {engine_tps / hf_tps:.2f}")
+    if hf_tps is not None:
+        print(f"ceiling_engine_vs_hf: {floor_tps / hf_tps:.2f} x")
+        print(f"ratio engine_vs_hf: {engine_tps / hf_tps:.2f}")
     ratio = engine_tps / floor_tps
     print(f"ratio engine_vs_ceiling: {ratio:.2f}")
     return ratio
+
+
+def _hf_installed() -> bool:
+    """Whether the HF baseline can run: torch and transformers come with requirements-dev.txt (the test command's
+    environment), not with the main job's."""
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "transformers"))
 
 
 def hf_generate_throughput(checkpoint: Path, prompts: list[list[int]], repeats: int) -> float:
