@@ -15,6 +15,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.profiling import ProfileConfig
 from areal_jax.rollout.config import RolloutConfig
 from areal_jax.rollout.rewards import RewardConfig
+from areal_jax.run_layout import RunLayout
 from areal_jax.sft_config import WarmStartConfig
 from areal_jax.sharding import MeshConfig
 from areal_jax.system.config import ClusterConfig, DistributedConfig, ReportConfig
@@ -157,6 +158,11 @@ class ExperimentConfig(Config):
         """The run directory: a local path, or a gs:// URL (what crosses between processes and hosts lives
         here: checkpoints, weight versions, the rollout log, control files, the marker and config)."""
         return storage.join(self.output_dir, self.name)
+
+    @property
+    def layout(self) -> RunLayout:
+        """Every path of this run (`areal_jax.run_layout`)."""
+        return RunLayout(self.run_location, self.run_dir)
 
     @property
     def run_dir(self) -> Path:

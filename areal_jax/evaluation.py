@@ -60,6 +60,7 @@ from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.tokenizer import CHAR_SPEC
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow
+from areal_jax.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, EVAL_DIR, HF_FINAL_DIR
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from areal_jax.weights.base import abstract_target, checkpoint_location
 
@@ -352,11 +353,11 @@ class CheckpointSource:
     @property
     def config_file(self) -> str | None:
         """The run's `config.yaml`, when the checkpoint belongs to a run."""
-        return storage.join(self.run_dir, "config.yaml") if self.run_dir is not None else None
+        return storage.join(self.run_dir, CONFIG_FILE) if self.run_dir is not None else None
 
     @property
     def default_output(self) -> str:
-        return storage.join(self.path, "eval")
+        return storage.join(self.path, EVAL_DIR)
 
     def describe(self) -> str:
         if self.hf_dir is not None:
@@ -374,17 +375,17 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
     if not path.is_dir():
         raise CheckpointSourceError(f"checkpoint {str(path)!r} does not exist or is not a directory")
     if (path / "config.json").is_file():
-        run_dir = path.parent if (path.parent / "config.yaml").is_file() else None
+        run_dir = path.parent if (path.parent / CONFIG_FILE).is_file() else None
         return CheckpointSource(path, path, run_dir, None)
-    if not (path / "config.yaml").is_file():
+    if not (path / CONFIG_FILE).is_file():
         raise CheckpointSourceError(
             f"{str(path)!r} is neither an HF checkpoint directory (no config.json) nor a run directory (no config.yaml)"
         )
-    step = TrainCheckpointer.latest_in(path / "checkpoints")
+    step = TrainCheckpointer.latest_in(path / CHECKPOINTS_DIR)
     if step is not None:
         return CheckpointSource(path, None, path, step)
-    if (path / "hf_final" / "config.json").is_file():
-        return CheckpointSource(path, path / "hf_final", path, None)
+    if (path / HF_FINAL_DIR / "config.json").is_file():
+        return CheckpointSource(path, path / HF_FINAL_DIR, path, None)
     raise CheckpointSourceError(f"run directory {str(path)!r} has neither a training checkpoint nor hf_final/")
 
 
@@ -400,17 +401,17 @@ def _resolve_remote_checkpoint(location: str) -> CheckpointSource:
 
     if storage.exists(storage.join(location, "config.json")):
         parent = storage.parent_of(location)
-        run_dir = parent if storage.exists(storage.join(parent, "config.yaml")) else None
+        run_dir = parent if storage.exists(storage.join(parent, CONFIG_FILE)) else None
         return CheckpointSource(location, local_copy(location), run_dir, None)
-    if not storage.exists(storage.join(location, "config.yaml")):
+    if not storage.exists(storage.join(location, CONFIG_FILE)):
         raise CheckpointSourceError(
             f"{location!r} is neither an HF checkpoint directory (no config.json) nor a run directory (no config.yaml)"
         )
-    step = TrainCheckpointer.latest_in(storage.join(location, "checkpoints"))
+    step = TrainCheckpointer.latest_in(storage.join(location, CHECKPOINTS_DIR))
     if step is not None:
         return CheckpointSource(location, None, location, step)
-    if storage.exists(storage.join(location, "hf_final", "config.json")):
-        return CheckpointSource(location, local_copy(storage.join(location, "hf_final")), location, None)
+    if storage.exists(storage.join(location, HF_FINAL_DIR, "config.json")):
+        return CheckpointSource(location, local_copy(storage.join(location, HF_FINAL_DIR)), location, None)
     raise CheckpointSourceError(f"run directory {location!r} has neither a training checkpoint nor hf_final/")
 
 
@@ -514,7 +515,7 @@ def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | 
     model = load_policy(cfg, mesh, tokenizer)
     version = 0
     if source.step is not None:
-        checkpoints = storage.join(source.path, "checkpoints")
+        checkpoints = storage.join(source.path, CHECKPOINTS_DIR)
         params, metadata = restore_trained_params(checkpoints, nnx.state(model), source.step)
         nnx.update(model, params)
         version = int(metadata.get("version", source.step))

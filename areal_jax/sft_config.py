@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from areal_jax.configuration import Config, option
+from areal_jax.run_layout import WARM_START_DIR  # noqa: F401  (its home in a run directory)
 
-WARM_START_DIR = "warm_start"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "hf"
 

@@ -6,9 +6,9 @@ with the loop unpipelined, `pipelined_vs_not`) and by HF `generate` (torch, CPU)
 FLOP/s as a fraction of the matmul peak measured in the same run, and the ceiling: tokens/s if a decode
 step cost only its weight matmuls (no attention, norms, sampling, cache writes or host loop).
 
-Where torch and transformers are not installed (the main job's environment; the test command installs them) the HF
-side is skipped with a line saying so. Prints `name: value unit` lines; `ratio engine_vs_hf`, then last `ratio engine_vs_ceiling: X.XX` (engine
-tokens/s over the weight-matmul ceiling's).
+Where torch and transformers are not installed (the main job's environment; the test command installs them)
+the HF side is skipped with a line saying so. Prints `name: value unit` lines; `ratio engine_vs_hf`, then
+last `ratio engine_vs_ceiling: X.XX` (engine tokens/s over the weight-matmul ceiling's).
 """
 
 from __future__ import annotations

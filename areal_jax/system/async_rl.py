@@ -53,6 +53,7 @@ from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.workflow import RolloutWorkflow
+from areal_jax.run_layout import PROFILE_DIR
 from areal_jax.system import resources
 from areal_jax.system.assembly import (
     build_meshes,
@@ -181,7 +182,7 @@ def train(
     calls this; process 0 starts the run directory, reads the log and decides (`trainer_processes`)."""
     started = time.perf_counter()
     processes = TrainerProcesses()
-    checkpoints = storage.join(cfg.run_location, "checkpoints")
+    checkpoints = cfg.layout.checkpoints
     latest = TrainCheckpointer.latest_in(checkpoints) if resume else None
     plan = check_run_dir(cfg, resume, overwrite, latest)  # every process: the same refusals
     processes.barrier("areal-run-dir-checked")  # before process 0 changes what the others check
@@ -213,7 +214,7 @@ def _records_mirror(cfg: ExperimentConfig, resume: bool, processes: TrainerProce
                 reset_local_copy(cfg.run_dir)
         # processes on process 0's host share its local copy: none writes there while it is emptied
         processes.barrier("areal-local-copy-ready")
-    return mirroring(cfg) if processes.primary else mirroring(cfg, only=frozenset({"profile"}))
+    return mirroring(cfg) if processes.primary else mirroring(cfg, only=frozenset({PROFILE_DIR}))
 
 
 def _train(
@@ -335,9 +336,7 @@ class InProcessRollouts:
         if self.metadata:
             self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
         writer_id = f"rollout{jax.process_index()}-{int(time.time())}"
-        self.sink = GroupLogSink(
-            RolloutLogWriter(storage.join(cfg.run_location, "rollout_log"), writer_id=writer_id, config=cfg.rollout.log)
-        )
+        self.sink = GroupLogSink(RolloutLogWriter(cfg.layout.rollout_log, writer_id=writer_id, config=cfg.rollout.log))
         generator = Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed)
         del params  # the generator owns the weights: a local here would pin version 0 for the whole run
         try:
@@ -418,9 +417,9 @@ class _TrainingRun:
         self.heldout = heldout
         self.workflow = workflow
         self.run_dir = cfg.run_dir
-        self.log_dir = storage.join(cfg.run_location, "rollout_log")
-        self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.groups_path = self.run_dir / "trained_groups.jsonl"  # which prompts each step trained on
+        self.log_dir = cfg.layout.rollout_log
+        self.metrics_path = cfg.layout.metrics
+        self.groups_path = cfg.layout.trained_groups
         self.metadata: dict[str, Any] = {}
         self.ledger = GroupLedger()
         self.pipeline_stop = stop_event or threading.Event()
@@ -451,7 +450,7 @@ class _TrainingRun:
         """On a resume, process 0: set the log's unread rest aside (the servers issue those groups again) and
         drop the trained-groups lines after the checkpoint (metrics.jsonl: the reporter's)."""
         metadata, version = self.metadata, self.trainer.version
-        unused = storage.join(self.cfg.run_location, "rollout_log_unused", f"resume-{step}")
+        unused = storage.join(self.cfg.layout.rollout_log_unused, f"resume-{step}")
         aside = set_aside_unread(self.log_dir, metadata["pipeline"], unused)
         self.ledger.reissued = tuple(g for g in metadata["outstanding"] if g not in aside.unread_group_ids)
         _truncate_jsonl(self.groups_path, version, "version")
@@ -469,7 +468,7 @@ class _TrainingRun:
         if processes.count > 1:
             take = self._take_batch if processes.primary else None
             self.shared = SharedBatches(processes, take, lambda: self.checkpointer.stop_requested, self.peer_stop)
-        profile_dir = self.run_dir / "profile"
+        profile_dir = self.cfg.layout.profile
         if processes.primary:
             self.batches = self._open_pipeline()
             self.reporter = RunReporter(
@@ -535,7 +534,7 @@ class _TrainingRun:
             final = nnx.merge(trainer.graphdef, trainer.params)
             if bad := nonfinite_leaves(trainer.params):
                 raise RunFailed(f"the policy at step {trainer.version} has non-finite {bad[:3]}; nothing exported")
-            final_dir = str(export_policy(cfg, final, self.run_dir / "hf_final"))  # every process gathers
+            final_dir = str(export_policy(cfg, final, cfg.layout.hf_final))  # every process gathers
         if self.reporter is not None:
             self.reporter.close([*self._outputs(), *([f"final policy (HF): {final_dir}"] if final_dir else [])])
         return RunSummary(
@@ -677,7 +676,7 @@ class _TrainingRun:
         except Exception:  # a failing reward also fails the rollouts, whose budget stops the run if it must
             logger.exception("held-out evaluation at step %d failed; training goes on", version)
             return {}
-        report.write(self.run_dir / "eval" / f"step-{version}")
+        report.write(self.cfg.layout.eval_dir / f"step-{version}")
         logger.info("held-out pass@1 at step %d: %.3f (%d prompts)", version, report.overall.pass_at_1, len(prompts))
         return report.scalars(prefix)
 
@@ -685,7 +684,7 @@ class _TrainingRun:
         """The run's outputs besides the reporter's, for its closing summary."""
         location = self.cfg.run_location
         lines = [f"checkpoints: {storage.join(location, 'checkpoints')}", f"trained prompts: {self.groups_path}"]
-        if (self.run_dir / "eval").is_dir():
+        if self.cfg.layout.eval_dir.is_dir():
             lines.append(f"held-out evaluations: {self.run_dir / 'eval'}")
         if storage.is_remote(location):
             lines.append(f"records: {self.run_dir}, uploaded to {location}")

@@ -21,11 +21,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from areal_jax import storage
+from areal_jax.run_layout import CONTROL_DIR, WEIGHTS_DIR  # noqa: F401  (the roles' files)
 from areal_jax.storage import read_json, write_json_atomic
 from areal_jax.system.config import DistributedConfig
-
-CONTROL_DIR = "control"
-WEIGHTS_DIR = "weights"
 
 
 def initialize_distributed(config: DistributedConfig) -> None:

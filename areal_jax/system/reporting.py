@@ -52,16 +52,12 @@ from rich.table import Table
 from rich.text import Text
 
 from areal_jax.configuration import ConfigError
+from areal_jax.run_layout import LOG_FILE, METRICS_FILE, PLOTS_DIR, REPORT_OUTPUTS, TENSORBOARD_DIR, WANDB_DIR
 from areal_jax.system.config import ReportConfig
 
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
-LOG_FILE = "train.log"
-PLOTS_DIR = "plots"
-WANDB_DIR = "wandb"
-OUTPUTS = (METRICS_FILE, TENSORBOARD_DIR, LOG_FILE, PLOTS_DIR, WANDB_DIR)  # everything a reporter creates
+OUTPUTS = REPORT_OUTPUTS
 
 STEP_KEY = "train/version"  # a metrics line's step
 REWARD = "rollout/reward_mean"

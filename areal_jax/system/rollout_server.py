@@ -46,6 +46,7 @@ from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.run_layout import EVAL_DIR
 from areal_jax.sharding import make_mesh
 from areal_jax.system import resources
 from areal_jax.system.assembly import abstract_policy, build_prompts, build_tokenizer, build_workflow
@@ -105,7 +106,7 @@ def run_rollout_server(
     engine = Engine(policy, cfg.rollout.engine, mesh)
     target = abstract_target(nnx.state(policy), engine.param_shardings)  # what each version is loaded onto
     if jax.process_count() == 1:
-        with mirroring(cfg, only=frozenset({"eval"})):  # server 0's held-out evaluations, on a gs:// run
+        with mirroring(cfg, only=frozenset({EVAL_DIR})):  # server 0's held-out evaluations, on a gs:// run
             return _serve(cfg, server, tokenizer, engine, target, stop_event)
     channel = _join_processes(cfg)
     if isinstance(channel, CommandReceiver):
@@ -113,7 +114,7 @@ def run_rollout_server(
     mirrored = MirroredEngine(engine, channel)
     ended_by = "failed"
     try:
-        with mirroring(cfg, only=frozenset({"eval"})):
+        with mirroring(cfg, only=frozenset({EVAL_DIR})):
             summary = _serve(cfg, server, tokenizer, mirrored, target, stop_event)
         ended_by = summary.ended_by
         return summary
@@ -147,7 +148,7 @@ def _serve(
         with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
             train_prompts, heldout = build_prompts(cfg, workflow)
             stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
-            log_dir = storage.join(run_dir, "rollout_log")
+            log_dir = cfg.layout.rollout_log
             point = resume_point(logged_group_ids(log_dir), server, servers)
             staleness = StalenessManager(cfg.rollout.staleness, first.version, server=server, servers=servers)
             staleness.restore(point.written, 0, first.version)
@@ -415,5 +416,5 @@ class _Serving:
         except Exception:
             logger.exception("held-out evaluation at version %d failed; serving goes on", version)
             return
-        report.write(self.cfg.run_dir / "eval" / f"step-{version}")
+        report.write(self.cfg.layout.eval_dir / f"step-{version}")
         logger.info("held-out pass@1 at version %d: %.3f (%d prompts)", version, report.overall.pass_at_1, len(prompts))

@@ -23,36 +23,11 @@ from typing import Any
 from areal_jax import __version__, storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import ConfigError, to_dict, to_yaml
-from areal_jax.sft_config import WARM_START_DIR
-from areal_jax.system.reporting import OUTPUTS as REPORT_OUTPUTS
+from areal_jax.run_layout import CONFIG_FILE, ENTRIES, MARKER, SHARED_ENTRIES, WARM_START_DIR  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-MARKER = ".areal-run"
-CONFIG_FILE = "config.yaml"
-
-# What a run creates in its directory: all that `--overwrite` deletes.
-RUN_ENTRIES = (
-    "checkpoints",
-    "rollout_log",
-    "rollout_log_unused",
-    "weights",  # the trainer role's weight versions (cluster.WEIGHTS_DIR)
-    "control",  # status and end markers of rollout server processes (cluster.CONTROL_DIR)
-    "trained_groups.jsonl",
-    "eval",
-    "hf_final",
-    "profile",
-    WARM_START_DIR,
-    *REPORT_OUTPUTS,
-    CONFIG_FILE,
-    MARKER,
-)
-# The entries that cross between processes and hosts, written straight to the run directory (on gs://
-# too); the others are the trainer's records, which a gs:// run writes into its local copy
-# (`system/run_mirror.py`).
-SHARED_ENTRIES = frozenset(
-    ("checkpoints", "rollout_log", "rollout_log_unused", "weights", "control", WARM_START_DIR, CONFIG_FILE, MARKER)
-)
+RUN_ENTRIES = ENTRIES
 # The entries that mean an earlier run got going (its config and marker alone are a run that never started;
 # a warm start alone is what `areal-jax sft` leaves for the run to use).
 _EARLIER_RUN = tuple(name for name in RUN_ENTRIES if name not in (CONFIG_FILE, MARKER, WARM_START_DIR))

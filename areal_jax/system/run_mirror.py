@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from areal_jax import storage
-from areal_jax.system.run_dir import SHARED_ENTRIES
+from areal_jax.run_layout import HF_FINAL_DIR, PROFILE_DIR, SHARED_ENTRIES
 
 if TYPE_CHECKING:
     from areal_jax.config import ExperimentConfig
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Records a resumed trainer does not need locally (large, and never appended to).
-NOT_PULLED = frozenset({"profile", "hf_final"})
+NOT_PULLED = frozenset({PROFILE_DIR, HF_FINAL_DIR})
 
 _SYNC, _STOP = "sync", "stop"
 
