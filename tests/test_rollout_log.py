@@ -215,3 +215,12 @@ def test_a_missing_shard_is_waited_for_then_skipped_and_reported(tmp_path: Path,
     assert [e.seq for e in iterator] == [0, 1, 4, 5]
     assert iterator.problems == 1
     assert "shards 1..1 of writer w0 are missing" in caplog.text
+
+
+def test_writer_ids_name_their_server_and_never_repeat(tmp_path):
+    from areal_jax.data.rollout_log import new_writer_id
+
+    ids = {new_writer_id(3) for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith("rollout3-") and i.endswith(f"-{os.getpid()}") for i in ids)
+    with RolloutLogWriter(tmp_path, next(iter(ids)), RolloutLogConfig()):  # a valid id for the log's names
+        pass

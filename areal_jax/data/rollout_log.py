@@ -161,6 +161,12 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"cannot serialise a value of type {type(value).__name__} in a trajectory record")
 
 
+def new_writer_id(server: int) -> str:
+    """A writer id for rollout server (or in-process rollout side) `server`, unique across its restarts and hosts:
+    the server, the time in ns, the process id."""
+    return f"rollout{server}-{time.time_ns()}-{os.getpid()}"
+
+
 def encode_record(trajectory: Trajectory, writer_id: str, seq: int, appended_at: float) -> bytes:
     """The record bytes of `trajectory` (format in the module docstring)."""
     record: dict[str, Any] = {

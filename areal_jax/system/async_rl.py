@@ -37,7 +37,7 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError, to_dict
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.pipeline import build_pipeline, open_group_ids, pipeline_stats, set_aside_unread, staleness_of
-from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter
+from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, new_writer_id
 from areal_jax.data.tasks import TaskStream
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.evaluation import evaluate
@@ -335,8 +335,10 @@ class InProcessRollouts:
         self.staleness = StalenessManager(cfg.rollout.staleness, version=trainer.version)
         if self.metadata:
             self.staleness.restore(self.ledger.consumed_count, int(self.metadata["rejected"]), trainer.version)
-        writer_id = f"rollout{jax.process_index()}-{int(time.time())}"
-        self.sink = GroupLogSink(RolloutLogWriter(cfg.layout.rollout_log, writer_id=writer_id, config=cfg.rollout.log))
+        writer = RolloutLogWriter(
+            cfg.layout.rollout_log, writer_id=new_writer_id(jax.process_index()), config=cfg.rollout.log
+        )
+        self.sink = GroupLogSink(writer)
         generator = Generator(engine, params, detokenize=self.workflow.tokenizer.decode, seed=cfg.seed)
         del params  # the generator owns the weights: a local here would pin version 0 for the whole run
         try:

@@ -37,7 +37,7 @@ from flax import nnx
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
-from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, logged_group_ids
+from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, logged_group_ids, new_writer_id
 from areal_jax.data.tasks import TaskStream
 from areal_jax.evaluation import evaluate
 from areal_jax.inference.engine import Engine
@@ -46,6 +46,7 @@ from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.weight_versions import apply_version
 from areal_jax.run_layout import EVAL_DIR
 from areal_jax.sharding import make_mesh
 from areal_jax.system import resources
@@ -162,9 +163,7 @@ def _serve(
                 point.next_group_id,
             )
             tasks = ((g, stream.task_for(g)) for g in server_group_ids(point, servers, len(stream)))
-            writer = RolloutLogWriter(
-                log_dir, writer_id=f"rollout{server}-{time.time_ns()}-{os.getpid()}", config=cfg.rollout.log
-            )
+            writer = RolloutLogWriter(log_dir, writer_id=new_writer_id(server), config=cfg.rollout.log)
             sink = GroupLogSink(writer)
             generator = Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed)
             del params  # the generator owns the weights: a local here would pin the first version for the run
@@ -328,8 +327,7 @@ class _WeightFollower(threading.Thread):
                 if newest is None:
                     continue
                 weights = self.subscriber.load(newest, self.target)
-                self.generator.update_params(weights.params, weights.version, interrupt=self.interrupt).result()
-                self.staleness.set_version(weights.version)
+                apply_version(self.generator, self.staleness, weights.params, weights.version, interrupt=self.interrupt)
                 self.version = weights.version
                 lag = time.time() - weights.published_at if weights.published_at is not None else None
                 self.loaded.put(_Loaded(weights.version, weights.source, weights.seconds, lag, weights.fell_back))

@@ -16,6 +16,7 @@ from flax import nnx
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
 from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.weight_versions import apply_version
 from areal_jax.sharding import copy_to
 from areal_jax.weights.base import tree_nbytes
 
@@ -43,8 +44,7 @@ class InProcessPublisher:
         """Publish `params` as `version`; returns once the generator uses them and admission follows."""
         started = time.perf_counter()
         source = unaliased_for(self.generator.engine, params)
-        self.generator.update_params(source, version, interrupt=self.interrupt).result()
-        self.staleness.set_version(version)
+        apply_version(self.generator, self.staleness, source, version, interrupt=self.interrupt)
         logger.debug(
             "published v%d in process: %d bytes in %.3f s", version, tree_nbytes(source), time.perf_counter() - started
         )
