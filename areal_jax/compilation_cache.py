@@ -15,6 +15,8 @@ from pathlib import Path
 
 import jax
 
+from areal_jax import storage
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,7 +36,7 @@ def enable_compilation_cache(directory: str | os.PathLike[str] | None) -> None:
             return
         directory = DEFAULT_DIR
     location = os.fspath(directory)
-    if "://" not in location:
+    if not storage.is_remote(location):
         location = str(Path(location).expanduser().absolute())
     jax.config.update("jax_compilation_cache_dir", location)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Sharding
 
+from areal_jax import storage
+
 logger = logging.getLogger(__name__)
 
 
@@ -117,4 +119,4 @@ def tree_nbytes(tree: Any) -> int:
 def checkpoint_location(directory: str | os.PathLike[str]) -> str | Path:
     """An Orbax-ready location: a `gs://` URL unchanged, a local path made absolute (Orbax requires it)."""
     text = os.fspath(directory)
-    return text if "://" in text else Path(text).absolute()
+    return text if storage.is_remote(text) else Path(text).absolute()

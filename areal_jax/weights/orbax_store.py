@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from areal_jax import storage
 from areal_jax.weights.base import LoadedWeights, checkpoint_location, poll_for_version, target_shardings, tree_nbytes
 
 logger = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class OrbaxWeightSubscriber:
     def _local_listing(self) -> frozenset[str] | None:
         """The names in the store directory; None where it is remote (gs://) or not there yet."""
         path = os.fspath(self.directory)
-        if "://" in path:
+        if storage.is_remote(path):
             return None
         try:
             return frozenset(os.listdir(path))
