@@ -65,10 +65,6 @@ class RunLayout:
     shared: storage.Location
     local: Path
 
-    @property
-    def is_remote(self) -> bool:
-        return storage.is_remote(self.shared)
-
     def _shared(self, name: str) -> str:
         return storage.join(self.shared, name)
 
@@ -95,10 +91,6 @@ class RunLayout:
     @property
     def weights(self) -> str:
         return self._shared(WEIGHTS_DIR)
-
-    @property
-    def control(self) -> str:
-        return self._shared(CONTROL_DIR)
 
     @property
     def metrics(self) -> Path:

@@ -159,7 +159,7 @@ def settings(cfg: Any) -> dict[str, Any]:
 def cached_warm_start(cfg: Any) -> Path | None:
     """The HF checkpoint of the run's warm start when one with the config's settings is cached, else None.
     On a gs:// run the cache is on the bucket: its checkpoint is copied into the local copy first."""
-    location = storage.join(cfg.run_location, WARM_START_DIR)
+    location = cfg.layout.warm_start
     try:
         summary = json.loads(storage.read_text(storage.join(location, SUMMARY_FILE)))
     except (OSError, ValueError):
@@ -209,7 +209,7 @@ def run_warm_start(cfg: Any, tokenizer: Tokenizer) -> dict[str, Any]:
     }
     (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     if storage.is_remote(cfg.run_location):  # the summary last: it marks the cached warm start complete
-        location = storage.join(cfg.run_location, WARM_START_DIR)
+        location = cfg.layout.warm_start
         storage.upload_tree(directory / CHECKPOINT_DIR, storage.join(location, CHECKPOINT_DIR))
         storage.upload(directory / SUMMARY_FILE, storage.join(location, SUMMARY_FILE))
     logger.info(

@@ -12,9 +12,9 @@ from areal_jax.run_layout import ENTRIES, SHARED_ENTRIES, RunLayout
 def test_shared_entries_stay_on_the_run_location_and_records_in_the_local_copy(tmp_path):
     cfg = load_experiment("configs/train_cpu.yaml", ["output_dir=gs://bucket/runs", f"local_copy_dir={tmp_path}"])
     layout = cfg.layout
-    assert layout.is_remote and layout.checkpoints == "gs://bucket/runs/" + cfg.name + "/checkpoints"
+    assert layout.checkpoints == "gs://bucket/runs/" + cfg.name + "/checkpoints"
     assert layout.rollout_log.startswith("gs://") and layout.warm_start.startswith("gs://")
     assert layout.metrics == cfg.run_dir / "metrics.jsonl" and str(layout.metrics).startswith(str(tmp_path))
     local = RunLayout("/runs/a", Path("/runs/a"))
-    assert not local.is_remote and local.hf_final == Path("/runs/a/hf_final") and local.control == "/runs/a/control"
+    assert local.hf_final == Path("/runs/a/hf_final") and local.weights == "/runs/a/weights"
     assert set(ENTRIES) > SHARED_ENTRIES and len(set(ENTRIES)) == len(ENTRIES)

@@ -53,7 +53,6 @@ from areal_jax.system import resources
 from areal_jax.system.assembly import abstract_policy, build_prompts, build_tokenizer, build_workflow
 from areal_jax.system.cluster import (
     DIRECT_FALLBACKS,
-    WEIGHTS_DIR,
     ControlFiles,
     initialize_distributed,
     resume_point,
@@ -135,7 +134,7 @@ def _serve(
     servers = cfg.cluster.rollout_servers
     run_dir = cfg.run_location
     control = ControlFiles(run_dir, servers)
-    subscriber = _wait_for_trainer(control, storage.join(run_dir, WEIGHTS_DIR), cfg, server, stop_event)
+    subscriber = _wait_for_trainer(control, cfg.layout.weights, cfg, server, stop_event)
     if subscriber is None:
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     if isinstance(engine, MirroredEngine):

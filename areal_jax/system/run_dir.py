@@ -213,10 +213,9 @@ def _refuse_unmarked(run_dir: str, previous: str) -> RunDirectoryError:
     )
 
 
-def _write_marker(run_location: str) -> None:
+def _write_marker(location: str) -> None:
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    marker = json.dumps({"created": created, "areal_jax_version": __version__}) + "\n"
-    storage.write_atomic(storage.join(run_location, MARKER), marker)
+    storage.write_atomic(location, json.dumps({"created": created, "areal_jax_version": __version__}) + "\n")
 
 
 def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest_checkpoint: int | None) -> None:
@@ -249,17 +248,17 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, latest_c
     if resume:
         if latest_checkpoint is None:
             raise RunDirectoryError(
-                f"nothing to resume: no training checkpoint in {storage.join(run_dir, 'checkpoints')}"
+                f"nothing to resume: no training checkpoint in {cfg.layout.checkpoints}"
                 + (f" (found: {previous}); start over with --overwrite" if previous else "")
             )
-        _check_resume_config(cfg, storage.join(run_dir, CONFIG_FILE))
+        _check_resume_config(cfg, cfg.layout.config_file)
     elif previous is not None:
         if not overwrite:
             raise RunDirectoryError(
                 f"{run_dir} holds an earlier run ({previous}); continue it with --resume, start over with "
                 "--overwrite (deletes it), or pick another name=... / output_dir=..."
             )
-        if not storage.exists(storage.join(run_dir, MARKER)):
+        if not storage.exists(cfg.layout.marker):
             raise _refuse_unmarked(run_dir, previous)
     return RunDirPlan(resume, previous)
 
@@ -272,10 +271,10 @@ def start_run_dir(cfg: ExperimentConfig, plan: RunDirPlan) -> None:
         if previous is not None and not resume:
             _delete_run(run_dir)
         storage.make_dirs(run_dir)
-        if not resume or not storage.exists(storage.join(run_dir, MARKER)):
-            _write_marker(run_dir)
+        if not resume or not storage.exists(cfg.layout.marker):
+            _write_marker(cfg.layout.marker)
         if not resume:
-            storage.write_atomic(storage.join(run_dir, CONFIG_FILE), to_yaml(cfg))
+            storage.write_atomic(cfg.layout.config_file, to_yaml(cfg))
     except OSError as err:
         where = f" ({err.filename})" if err.filename and str(err.filename) != run_dir else ""
         raise RunDirectoryError(f"cannot write the run directory {run_dir}{where}: {err.strerror or err}") from err

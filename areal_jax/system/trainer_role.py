@@ -35,7 +35,7 @@ from areal_jax.inference.generator import GeneratorStats
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.sharding import make_mesh
 from areal_jax.system.async_rl import RunSummary, train
-from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
+from areal_jax.system.cluster import ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
 from areal_jax.system.reporting import QUEUE
 from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer
@@ -65,7 +65,7 @@ class RemoteRollouts:
         primary = self.processes.primary
         if primary:
             self.control.clear()
-        store = storage.join(self.cfg.run_location, WEIGHTS_DIR)
+        store = self.cfg.layout.weights
         _drop_versions_after(store, trainer.version)  # Orbax: every process takes part, process 0 deletes
         self.processes.barrier("areal-weights-trimmed")
         publisher = open_publisher(self.cfg)

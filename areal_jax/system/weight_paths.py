@@ -7,9 +7,8 @@ import logging
 
 import jax
 
-from areal_jax import storage
 from areal_jax.config import ExperimentConfig
-from areal_jax.system.cluster import WEIGHTS_DIR, ControlFiles
+from areal_jax.system.cluster import ControlFiles
 from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber
 from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
 
@@ -19,7 +18,7 @@ logger = logging.getLogger(__name__)
 def open_publisher(cfg: ExperimentConfig) -> OrbaxWeightPublisher | DirectWeightPublisher:
     """The trainer's end."""
     cluster = cfg.cluster
-    store = OrbaxWeightPublisher(storage.join(cfg.run_location, WEIGHTS_DIR), max_to_keep=cluster.weights_keep)
+    store = OrbaxWeightPublisher(cfg.layout.weights, max_to_keep=cluster.weights_keep)
     if cluster.weight_transfer == "orbax":
         return store
     return DirectWeightPublisher(
@@ -38,9 +37,7 @@ def open_subscriber(cfg: ExperimentConfig, server: int) -> OrbaxWeightSubscriber
     cluster = cfg.cluster
     poll = cluster.weights_poll_s
     several = jax.process_count() > 1
-    store = OrbaxWeightSubscriber(
-        storage.join(cfg.run_location, WEIGHTS_DIR), poll_initial_s=poll, poll_max_s=poll, process_local=several
-    )
+    store = OrbaxWeightSubscriber(cfg.layout.weights, poll_initial_s=poll, poll_max_s=poll, process_local=several)
     if cluster.weight_transfer == "orbax":
         return store
     if several:

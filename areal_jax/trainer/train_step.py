@@ -2,11 +2,11 @@
 
 Parameters and the optimizer state live on the trainer mesh, sharded by the logical rules (FSDP on `fsdp`,
 tensor parallel on `tensor`; every Adam moment exactly like its parameter); batches `[M, B, L]` are split
-on B over `data` + `fsdp`. An update is one `jax.jit` per batch shape: a `lax.scan` over the M micro-batches
-accumulates the gradient of the decoupled PPO loss (normalised by the mini-batch's loss-token count, so the
-sum over micro-batches is the mini-batch loss; with the KL-to-reference loss term and the KL reward shaping
-when their coefficients are > 0), then the optimizer of `make_optimizer` is applied; params and optimizer
-state are donated. An update whose gradient is not finite (a non-finite loss gives one) is skipped with
+on B over `data` + `fsdp`. An update's gradient is one `jax.jit` per batch shape: a `lax.scan` over the M
+micro-batches accumulates the gradient of the decoupled PPO loss (normalised by the mini-batch's loss-token
+count, so the sum over micro-batches is the mini-batch loss; with the KL-to-reference loss term and the KL
+reward shaping when their coefficients are > 0); a second program applies the optimizer of `make_optimizer`
+(below). An update whose gradient is not finite (a non-finite loss gives one) is skipped with
 `optax.apply_if_finite`'s semantics and state: params and AdamW state stay as they were (the schedule does not
 advance), the optimizer state counts the skip, and the update reports `train/skipped_updates = 1`.
 
