@@ -102,8 +102,8 @@ def _training_done(summary: Any) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from areal_jax.jobs.train import run_async
     from areal_jax.profiling import request_cpu_op_events
-    from areal_jax.system.async_rl import run_async
 
     cfg = _run_config(args)
     if cfg.profile.start_step:
@@ -112,7 +112,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_trainer(args: argparse.Namespace) -> int:
-    from areal_jax.system.trainer_role import run_trainer
+    from areal_jax.jobs.trainer_role import run_trainer
 
     return _training_done(run_trainer(_run_config(args), resume=args.resume, overwrite=args.overwrite))
 
@@ -121,7 +121,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from areal_jax.system.rollout_server import RolloutServerError, run_rollout_server
+    from areal_jax.jobs.rollout_server import RolloutServerError, run_rollout_server
 
     cfg = _run_config(args)
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's notes on every poll of a read-only store
@@ -139,7 +139,7 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from areal_jax.config import load_experiment
-    from areal_jax.system.launcher import launch_local
+    from areal_jax.jobs.launcher import launch_local
 
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, [*overrides, f"cluster.rollout_servers={args.rollout}"])
@@ -157,7 +157,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from areal_jax.config import load_experiment
-    from areal_jax.planning.calibrate import calibrate
+    from areal_jax.jobs.calibrate import calibrate
     from areal_jax.planning.calibration import CalibrationError, read_calibration
     from areal_jax.planning.plan import make_plan
 
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("jax", "absl", "orbax", "fsspec", "gcsfs"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = parse_command_line(argv)
-    from areal_jax.system.async_rl import RunFailed
+    from areal_jax.system.stop_control import RunFailed
 
     try:
         return args.func(args)

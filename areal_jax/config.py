@@ -18,7 +18,7 @@ from areal_jax.rollout.rewards import RewardConfig
 from areal_jax.run_layout import RunLayout
 from areal_jax.sft_config import WarmStartConfig
 from areal_jax.sharding import MeshConfig
-from areal_jax.system.config import ClusterConfig, DistributedConfig, ReportConfig
+from areal_jax.system_config import ClusterConfig, DistributedConfig, ReportConfig
 from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainerConfig
 
@@ -119,8 +119,7 @@ class ExperimentConfig(Config):
                 f"{eta + 1}: a restarted rollout server, starting from the newest stored version, could wait "
                 "forever for the trainer",
             )
-        longest_prompt = self.dataset.max_prompt_tokens + sampling.max_new_tokens
-        if longest_prompt > rollout.engine.max_length:
+        if not rollout.engine.fits_sample(self.dataset.max_prompt_tokens, sampling.max_new_tokens):
             raise ConfigError(
                 "dataset.max_prompt_tokens",
                 f"value {self.dataset.max_prompt_tokens} + rollout.workflow.sampling.max_new_tokens="

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -20,6 +21,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from areal_jax import storage
+
+logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound="Config")
 
@@ -98,7 +101,12 @@ def _is_choice(tp: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Base of every configuration section: range checks on construction plus a cross-field hook."""
+    """Base of every configuration section: range checks on construction plus a cross-field hook.
+
+    `REMOVED_KEYS` names keys a section had and no longer has, with why: a config that still sets one (an
+    older run's config.yaml, which lists every key) loads with a warning instead of being refused."""
+
+    REMOVED_KEYS: typing.ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         hints = _type_hints(type(self))
@@ -204,10 +212,13 @@ def from_dict(cls: type[C], data: Mapping[str, Any]) -> C:
     """Build `cls` from a plain mapping, refusing unknown keys, wrong types and out-of-range values."""
     hints = typing.get_type_hints(cls)
     field_names = {f.name for f in dataclasses.fields(cls)}
+    removed = getattr(cls, "REMOVED_KEYS", {})
     for key in data:
-        if key not in field_names:
+        if key in removed and key not in field_names:
+            logger.warning("config key %r of %s is ignored: it was removed (%s)", key, cls.__name__, removed[key])
+        elif key not in field_names:
             raise _unknown_key_error(cls, str(key))
-    kwargs = {name: _coerce(name, value, hints[name]) for name, value in data.items()}
+    kwargs = {name: _coerce(name, value, hints[name]) for name, value in data.items() if name in field_names}
     for f in dataclasses.fields(cls):
         if f.name not in kwargs and f.default is _MISSING and f.default_factory is _MISSING:
             raise ConfigError(f.name, f"required key is missing ({_type_name(hints[f.name])})")

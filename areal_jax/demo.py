@@ -25,16 +25,17 @@ from rich.table import Table
 from areal_jax.config import ExperimentConfig
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.evaluation import is_correct, run_prompts, sampled_workflow
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
+from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import save_hf_checkpoint
 from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.rollout.evaluation import is_correct, run_prompts, sampled_workflow
 from areal_jax.rollout.rewards import Reward
+from areal_jax.seeds import stream_seed
 from areal_jax.sharding import make_mesh
 from areal_jax.system.assembly import build_prompts, build_tokenizer, build_workflow
-from areal_jax.system.starting_policy import load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def run_demo(cfg: ExperimentConfig) -> dict[str, Any]:
     logger.info("model: %s, %s parameters, mesh %s", source, f"{model.config.num_params():,}", dict(mesh.shape))
 
     sampling = cfg.rollout.workflow.sampling.replace(
-        temperature=gen.temperature, max_new_tokens=gen.max_new_tokens, seed=cfg.seed
+        temperature=gen.temperature, max_new_tokens=gen.max_new_tokens, seed=stream_seed(cfg.seed, "generator")
     )
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
         records = build_prompts(cfg, workflow)[0][: gen.num_prompts]

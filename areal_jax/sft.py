@@ -31,6 +31,7 @@ from areal_jax.configuration import ConfigError, to_dict
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.seeds import stream_seed
 from areal_jax.sft_config import CHECKPOINT_DIR, SUMMARY_FILE, WARM_START_DIR, WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def train_warm_start(model: Decoder, config: WarmStartConfig, examples: Examples
         0.0, config.lr, config.warmup_steps, max(config.steps, config.warmup_steps + 1), config.lr / 10
     )
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=0.0), wrt=nnx.Param)
-    rng = np.random.default_rng([seed, 0x5F7])
+    rng = np.random.default_rng(seed)
     weights = examples.answer_length_weights() if config.balance_answer_lengths else None
     losses = []
     for _ in range(config.steps):
@@ -193,7 +194,7 @@ def run_warm_start(cfg: Any, tokenizer: Tokenizer) -> dict[str, Any]:
         scored = encode_examples(heldout[: warm.heldout_examples], workflow.render_prompt, tokenizer, length)
     model = random_policy(cfg, None, tokenizer)
     before = heldout_scores(model, scored)
-    losses = train_warm_start(model, warm, examples, cfg.seed)
+    losses = train_warm_start(model, warm, examples, stream_seed(cfg.seed, "warm_start"))
     after = heldout_scores(model, scored)
     directory = cfg.run_dir / WARM_START_DIR
     export_policy(cfg, model, directory / CHECKPOINT_DIR)

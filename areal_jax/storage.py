@@ -2,8 +2,12 @@
 
 Everything that crosses between processes and hosts (the rollout log, the control files, the run's marker
 and config) is read and written through these functions, so the same code serves a local disk, a shared
-file system and a GCS bucket. Orbax (checkpoints, weight versions) reaches gs:// through TensorStore on its
-own; the trainer's records (metrics, logs, TensorBoard) go through a local working copy (`run_mirror.py`).
+file system and a GCS bucket. Each operation is written once, over the fsspec filesystem that holds the
+location (`LocalFileSystem` for a path, gcsfs for gs://; any other fsspec URL, `memory://` in the tests,
+works the same way); only two things a local file system has are chosen by kind: an atomic rename
+(`write_atomic`, `move`) and a plain list of names (`names`, polled on large directories). Orbax
+(checkpoints, weight versions) reaches gs:// through TensorStore on its own; the trainer's records
+(metrics, logs, TensorBoard) go through a local working copy (`run_mirror.py`).
 
 What each operation promises on both kinds of location:
 - `write_atomic`: readers see the old content or the new, never a part. Locally a temporary file renamed
@@ -20,15 +24,17 @@ What each operation promises on both kinds of location:
 
 from __future__ import annotations
 
-import functools
+import datetime
 import json
 import os
 import posixpath
-import shutil
 from pathlib import Path
 from typing import Any
 
 from fsspec import config as fsspec_config
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractFileSystem
 
 Location = str | os.PathLike[str]
 
@@ -38,11 +44,13 @@ Location = str | os.PathLike[str]
 for _protocol in ("gs", "gcs"):
     fsspec_config.conf.setdefault(_protocol, {})["use_listings_cache"] = False
 
-REMOTE_SCHEMES = ("gs://",)
+_LOCAL_PROTOCOLS = ("file", "local")
 
 
 def is_remote(location: Location) -> bool:
-    return str(location).startswith(REMOTE_SCHEMES)
+    """A URL (`gs://bucket/...`, or any fsspec protocol but `file://`), not a path on this host."""
+    protocol, separator, _ = str(location).partition("://")
+    return bool(separator) and "/" not in protocol and protocol not in _LOCAL_PROTOCOLS
 
 
 def join(location: Location, *names: str) -> str:
@@ -62,88 +70,73 @@ def parent_of(location: Location) -> str:
     return os.path.dirname(os.fspath(location))
 
 
-@functools.cache
-def _gcs() -> Any:
-    try:
-        import fsspec
-        import gcsfs  # noqa: F401  (fsspec finds it by the protocol name)
-    except ImportError as err:  # pragma: no cover - gcsfs is in requirements.txt
-        raise ImportError("a gs:// run directory needs gcsfs (pip install -r requirements.txt)") from err
-    return fsspec.filesystem("gs", use_listings_cache=False)
-
-
-def _remote_path(location: Location) -> str:
-    return str(location)[len("gs://") :].rstrip("/")
+def _located(location: Location) -> tuple[AbstractFileSystem, str]:
+    """The fsspec filesystem that holds `location` (made once per protocol and options), and the path on it."""
+    return url_to_fs(os.fspath(location))
 
 
 def exists(location: Location) -> bool:
-    if is_remote(location):
-        return bool(_gcs().exists(_remote_path(location)))
-    return os.path.exists(location)
+    fs, path = _located(location)
+    return bool(fs.exists(path))
 
 
 def is_dir(location: Location) -> bool:
     """A directory (on GCS: a prefix with at least one object under it)."""
-    if is_remote(location):
-        return bool(_gcs().isdir(_remote_path(location)))
-    return os.path.isdir(location)
+    fs, path = _located(location)
+    return bool(fs.isdir(path))
+
+
+def _entries(fs: AbstractFileSystem, path: str, detail: bool) -> list[Any]:
+    """What `fs.ls` finds directly in directory `path`, without `path` itself (a GCS "directory marker"
+    object, or the one entry of a file); [] when there is no such directory."""
+    try:
+        found = fs.ls(path, detail=detail)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    itself = path.rstrip("/")
+    return [entry for entry in found if (entry["name"] if detail else entry).rstrip("/") != itself]
 
 
 def listing(location: Location) -> dict[str, tuple[bool, int]]:
     """The entries directly in directory `location`: name -> (is a directory, modification time in ns;
     0 for directories on GCS). Empty when there is no such directory."""
-    if is_remote(location):
-        fs = _gcs()
-        try:
-            found = fs.ls(_remote_path(location), detail=True)
-        except FileNotFoundError:
-            return {}
-        entries = {}
-        for info in found:
-            name = posixpath.basename(info["name"].rstrip("/"))
-            if not name:
-                continue
-            directory = info["type"] == "directory"
-            entries[name] = (directory, 0 if directory else _gcs_mtime_ns(info))
-        entries.pop(name_of(location), None)  # a "directory marker" object of the prefix itself
-        return entries
-    try:
-        with os.scandir(location) as scan:
-            return {e.name: (e.is_dir(), e.stat().st_mtime_ns) for e in scan}
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
+    fs, path = _located(location)
+    entries = {}
+    for info in _entries(fs, path, detail=True):
+        directory = info["type"] == "directory" or (info.get("islink", False) and fs.isdir(info["name"]))
+        entries[name_of(info["name"])] = (directory, _mtime_ns(info))
+    return entries
 
 
 def names(location: Location) -> list[str]:
     """The sorted names directly in directory `location` ([] when it does not exist). Locally no entry is
     stat'ed: a rollout log of one shard per group holds many thousands, listed on every poll."""
-    if is_remote(location):
-        return sorted(listing(location))
-    try:
-        return sorted(os.listdir(location))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    fs, path = _located(location)
+    if isinstance(fs, LocalFileSystem):  # fsspec's `ls` normalises every entry's path: 4x os.listdir's time
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+    return sorted(name_of(entry) for entry in _entries(fs, path, detail=False))
 
 
-def _gcs_mtime_ns(info: dict[str, Any]) -> int:
-    import datetime
-
-    stamp = info.get("updated") or info.get("timeCreated")
-    if not stamp:
+def _mtime_ns(info: dict[str, Any]) -> int:
+    """An fsspec entry's modification time in ns: seconds locally, a datetime from gcsfs, the creation time
+    in memory://; 0 where there is none (a GCS directory)."""
+    stamp = info.get("mtime", info.get("created"))
+    if stamp is None:
         return 0
+    if isinstance(stamp, str):
+        stamp = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     if isinstance(stamp, datetime.datetime):
-        when = stamp
-    else:
-        when = datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
-    return int(when.timestamp() * 1e9)
+        stamp = stamp.timestamp()
+    return round(stamp * 1e9)
 
 
 def read_bytes(location: Location) -> bytes:
     """The content of file `location`; FileNotFoundError when there is none."""
-    if is_remote(location):
-        return bytes(_gcs().cat_file(_remote_path(location)))
-    with open(location, "rb") as f:
-        return f.read()
+    fs, path = _located(location)
+    return bytes(fs.cat_file(path))
 
 
 def read_text(location: Location) -> str:
@@ -153,23 +146,22 @@ def read_text(location: Location) -> str:
 def write_atomic(location: Location, data: bytes | str) -> None:
     """Write file `location` so that readers see the old content or the new one, never a part."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    if is_remote(location):
-        _gcs().pipe_file(_remote_path(location), payload)
+    fs, path = _located(location)
+    if not isinstance(fs, LocalFileSystem):  # an object store: an object appears whole, once uploaded
+        fs.pipe_file(path, payload)
         return
-    path = Path(location)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(payload)
-    os.replace(temporary, path)
+    parent = posixpath.dirname(path)
+    fs.makedirs(parent, exist_ok=True)
+    temporary = posixpath.join(parent, f".{name_of(path)}.{os.getpid()}.tmp")
+    fs.pipe_file(temporary, payload)
+    _replace(fs, temporary, path)
 
 
 def remove(location: Location) -> bool:
     """Delete file `location`; False when there was none."""
+    fs, path = _located(location)
     try:
-        if is_remote(location):
-            _gcs().rm_file(_remote_path(location))
-        else:
-            os.unlink(location)
+        fs.rm_file(path)
     except FileNotFoundError:
         return False
     return True
@@ -177,33 +169,36 @@ def remove(location: Location) -> bool:
 
 def remove_tree(location: Location) -> None:
     """Delete directory `location` and everything below it (nothing when it does not exist)."""
-    if is_remote(location):
-        fs = _gcs()
-        found = fs.find(_remote_path(location), withdirs=False)
-        for path in found:  # one by one: the batch endpoint is not on every GCS-compatible server
-            fs.rm_file(path)
-        return
-    if os.path.isdir(location):
-        shutil.rmtree(location)
+    fs, path = _located(location)
+    if fs.isdir(path):
+        fs.rm(path, recursive=True)
 
 
 def make_dirs(location: Location) -> None:
     """Create directory `location` and its parents (nothing to do on GCS: prefixes need no creation)."""
-    if not is_remote(location):
-        os.makedirs(location, exist_ok=True)
+    fs, path = _located(location)
+    fs.makedirs(path, exist_ok=True)
 
 
 def move(source: Location, target: Location) -> None:
     """Move file `source` to `target` (replacing it). Atomic locally; on GCS a copy, then a delete."""
-    if is_remote(source) != is_remote(target):
-        raise ValueError(f"cannot move {source} to {target}: one is local, the other remote")
-    if is_remote(source):
-        fs = _gcs()
-        fs.copy(_remote_path(source), _remote_path(target))
-        fs.rm_file(_remote_path(source))
-        return
-    os.makedirs(os.path.dirname(os.fspath(target)) or ".", exist_ok=True)
-    os.replace(source, target)
+    fs, source_path = _located(source)
+    target_fs, target_path = _located(target)
+    if target_fs is not fs:
+        raise ValueError(f"cannot move {source} to {target}: they are on different file systems")
+    fs.makedirs(posixpath.dirname(target_path), exist_ok=True)
+    _replace(fs, source_path, target_path)
+
+
+def _replace(fs: AbstractFileSystem, source: str, target: str) -> None:
+    """File `source` becomes `target`: on a local file system one atomic rename; an object store has no
+    rename, so a copy on the server, then a delete (gcsfs's `mv` would first try GCS's move API, which
+    not every GCS-compatible server has: the emulator answers 501 after half a minute of retries)."""
+    if isinstance(fs, LocalFileSystem):
+        os.replace(source, target)
+    else:
+        fs.cp_file(source, target)
+        fs.rm_file(source)
 
 
 def upload(local_file: Location, location: Location, *, exclusive: bool = False) -> None:
@@ -211,20 +206,21 @@ def upload(local_file: Location, location: Location, *, exclusive: bool = False)
     With `exclusive`, refuse (FileExistsError) when `location` exists."""
     if not is_remote(location):
         raise ValueError(f"upload goes to a remote location, not {location}")
-    fs = _gcs()
-    if exclusive and fs.exists(_remote_path(location)):
+    fs, path = _located(location)
+    if exclusive and fs.exists(path):
         raise FileExistsError(location)
-    fs.put_file(os.fspath(local_file), _remote_path(location))
+    fs.put_file(os.fspath(local_file), path)
 
 
 def download(location: Location, local_file: Location) -> None:
     """Copy remote file `location` to `local_file` (written under a temporary name, then renamed)."""
     if not is_remote(location):
         raise ValueError(f"download comes from a remote location, not {location}")
+    fs, path = _located(location)
     target = Path(local_file)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.part")
-    _gcs().get_file(_remote_path(location), os.fspath(temporary))
+    fs.get_file(path, os.fspath(temporary))
     os.replace(temporary, target)
 
 

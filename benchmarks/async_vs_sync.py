@@ -45,7 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_jax.data.rollout_log import list_shards, read_shard
+from areal_jax.data.rollout_log_reader import read_shard
+from areal_jax.data.rollout_log_shards import list_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAIN_SUMS = ROOT / "configs" / "chain_sums_cpu.yaml"

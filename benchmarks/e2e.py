@@ -30,8 +30,9 @@ from common import measure_matmul_peak
 
 from areal_jax.compilation_cache import enable_compilation_cache
 from areal_jax.config import load_experiment
+from areal_jax.jobs.train import run_async
+from areal_jax.jsonl import read_jsonl
 from areal_jax.models.config import ModelConfig
-from areal_jax.system.async_rl import load_metrics, run_async
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train_cpu.yaml"
 NEW_TOKENS = 64
@@ -94,7 +95,7 @@ def run(eta: int, steps: int, warmup: int, output_dir: str, extra: list[str]) ->
         ],
     )
     enable_compilation_cache(cfg.compilation_cache_dir)  # as the CLI does (`run_async` leaves it to its caller)
-    metrics = load_metrics(run_async(cfg).metrics_file)
+    metrics = read_jsonl(run_async(cfg).metrics_file)
     wall = np.array([m["time/wall"] for m in metrics])
     timed = metrics[warmup:]
     samples = sum(m["batch/sequences"] for m in timed)

@@ -45,10 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from areal_jax.config import load_experiment
+from areal_jax.jsonl import read_jsonl
 from areal_jax.planning.calibration import Calibration, read_calibration
 from areal_jax.planning.plan import make_plan
 from areal_jax.planning.step_model import Prediction, Workload, predict
-from areal_jax.system.async_rl import load_metrics
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train_cpu.yaml"
 QUANTILE = 0.25  # of the steady steps' times: the least loaded share of a run on a shared machine
@@ -145,7 +145,7 @@ def _children_cpu_seconds() -> float:
 
 def measured_step(run_dir: Path, skip: int) -> float:
     """The step time of the steady steps (at QUANTILE)."""
-    walls = np.array([line["time/wall"] for line in load_metrics(run_dir / "metrics.jsonl")])
+    walls = np.array([line["time/wall"] for line in read_jsonl(run_dir / "metrics.jsonl")])
     return float(np.quantile(np.diff(walls[skip - 1 :]), QUANTILE))
 
 

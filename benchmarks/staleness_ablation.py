@@ -27,9 +27,10 @@ from pathlib import Path
 
 from areal_jax.compilation_cache import enable_compilation_cache
 from areal_jax.config import load_experiment
+from areal_jax.jobs.train import run_async
+from areal_jax.jsonl import read_jsonl
 from areal_jax.sft import WARM_START_DIR, run_warm_start
 from areal_jax.system.assembly import build_tokenizer
-from areal_jax.system.async_rl import load_metrics, run_async
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "chain_sums_cpu.yaml"
@@ -51,7 +52,7 @@ def run_one(base: list[str], output_dir: Path, warm_start: Path, eta: int, decou
     cfg.run_dir.mkdir(parents=True)
     shutil.copytree(warm_start, cfg.run_dir / WARM_START_DIR)  # the same settings: the run reuses it
     summary = run_async(cfg)
-    metrics = load_metrics(summary.metrics_file)
+    metrics = read_jsonl(summary.metrics_file)
     samples = sum(m["batch/sequences"] for m in metrics[1:])
     seconds = metrics[-1]["time/wall"] - metrics[0]["time/wall"]
     return {

@@ -9,8 +9,14 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
+digest_of() { cat "$1" requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1; }
+# requirements-dev.txt includes requirements.txt: a .venv set up for the tests also runs the main job
+dev_stamp=".venv/.installed-requirements-dev.txt"
+if [ "$req" = requirements.txt ] && [ -f "$dev_stamp" ] && [ "$(cat "$dev_stamp")" = "$(digest_of requirements-dev.txt)" ]; then
+  exit 0
+fi
 stamp=".venv/.installed-$(basename "$req")"
-digest="$(cat "$req" requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+digest="$(digest_of "$req")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
   echo "installing $req into .venv ..." >&2
   .venv/bin/python -m pip install --quiet -r "$req"

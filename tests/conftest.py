@@ -63,6 +63,7 @@ _LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --dura
     "test_async_rl.py",
     "test_recipes.py",
     "test_default_task.py",
+    "test_readme_commands.py",
     "test_memory_plan.py",
     "test_distributed_trainer.py",
     "test_launch.py",

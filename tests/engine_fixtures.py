@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.inference.generator import Generator
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
 
@@ -62,3 +66,12 @@ def cached_keys(cache: KVCache) -> np.ndarray:
     """The keys a cache holds, by position: [Y, B, S, K, H] (the cache stores each layer's as segments
     [B, K, H, S_j])."""
     return np.stack([np.concatenate([np.asarray(k) for k in layer], axis=3).transpose(0, 3, 1, 2) for layer in cache.k])
+
+
+@contextlib.contextmanager
+def all_at_once(generator: Generator) -> Iterator[None]:
+    """What the block submits, aborts or updates reaches `generator`'s loop together, in one take of its
+    inbox: the loop cannot take the inbox meanwhile, so it ends the iteration it is in, if any, and waits
+    before the next (a pipelined decode step may still be in flight, handled before what the block posts)."""
+    with generator._inbox._cond:  # the inbox's lock: the loop takes commands only while holding it
+        yield

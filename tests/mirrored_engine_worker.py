@@ -1,10 +1,10 @@
 """One process of an engine over 2 processes x 2 CPU devices (`jax.distributed` on localhost, gloo); the
 caller sets XLA_FLAGS. Also imported by the test for its one-process reference run.
 
-python tests/mirrored_engine_worker.py generate STORE OUT.json PROCESS PORT
-    process 0 drives a Generator on a MirroredEngine through `REQUESTS` (weights v0, then v1 from the
-    store after the `UPDATE_AFTER`-th decode step, interrupting), writes the results to OUT.json and prints
-    "generated"; it then keeps generating until it loses process 1, which just follows.
+python tests/mirrored_engine_worker.py generate|generate-paged STORE OUT.json PROCESS PORT
+    process 0 drives a Generator on a MirroredEngine (dense or paged KV cache) through `REQUESTS` (weights
+    v0, then v1 from the store after the `UPDATE_AFTER`-th decode step, interrupting), writes the results
+    to OUT.json and prints "generated"; it then keeps generating until it loses process 1, which just follows.
 python tests/mirrored_engine_worker.py measure STORE OUT.json PROCESS PORT
     the cost of the command channel: `STEPS` decode steps over full slots with each process making the
     calls itself (plain SPMD), then driven by process 0 (mirrored); process 0 prints `name: value unit`.
@@ -23,12 +23,13 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.inference.engine import Engine, EngineConfig
-from areal_jax.inference.generator import GenerationResult, Generator
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.requests import GenerationResult
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.sharding import MeshConfig, make_mesh
 from areal_jax.weights.base import abstract_target
 from areal_jax.weights.orbax_store import OrbaxWeightSubscriber
-from tests.engine_fixtures import tiny_model
+from tests.engine_fixtures import all_at_once, tiny_model
 
 ENGINE = EngineConfig(max_slots=4, max_length=32, max_prefill_batch=2)
 MESH = MeshConfig(data=2, fsdp=1, tensor=2)  # slots over data (across the processes), heads over tensor
@@ -38,10 +39,11 @@ UPDATE_AFTER = 6  # decode steps on v0 before v1 is swapped in (interrupting the
 STEPS = 200
 
 
-def make_engine(devices: list[jax.Device]) -> tuple[Engine, Any]:
-    """The engine over `devices` (4) and the target its weights load onto."""
+def make_engine(devices: list[jax.Device], paged: bool = False) -> tuple[Engine, Any]:
+    """The engine over `devices` (4), its KV cache paged or dense, and the target its weights load onto."""
     model = tiny_model(0)
-    engine = Engine(model, ENGINE, make_mesh(MESH, devices))
+    config = ENGINE.replace(kv_cache="paged", page_size=8) if paged else ENGINE
+    engine = Engine(model, config, make_mesh(MESH, devices))
     return engine, abstract_target(nnx.state(model), engine.param_shardings)
 
 
@@ -72,12 +74,11 @@ def generate_with_update(engine: Any, store: Any, target: Any) -> list[dict[str,
     first = store.load(0, target)
     with Generator(stepping, engine.load_params(first.params, first.version), seed=0) as generator:
         stepping.generator = generator
-        generator.pause()  # every request queued before the first admission: the same schedule every run
-        futures = [
-            generator.submit(prompt, SamplingParams(temperature=0.9, max_new_tokens=new, seed=seed), n=n)
-            for prompt, n, new, seed in REQUESTS
-        ]
-        generator.resume()
+        with all_at_once(generator):  # every request queued before the first admission: the same schedule every run
+            futures = [
+                generator.submit(prompt, SamplingParams(temperature=0.9, max_new_tokens=new, seed=seed), n=n)
+                for prompt, n, new, seed in REQUESTS
+            ]
         results = [r for future in futures for r in future.result(timeout=120)]
     return [_row(r) for r in results]
 
@@ -112,7 +113,7 @@ def main(mode: str, store_dir: Path, out: Path, process: int, port: int) -> None
     from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
 
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, process)
-    engine, target = make_engine(jax.devices())
+    engine, target = make_engine(jax.devices(), paged=mode == "generate-paged")
     store = OrbaxWeightSubscriber(store_dir, process_local=True)
     processes = TrainerProcesses()
     plain = None

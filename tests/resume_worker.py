@@ -41,9 +41,7 @@ def main(log_dir: str, ckpt_dir: str, out: str, total_steps: int, kill_after: in
     pipeline = iter(
         build_pipeline(
             log_dir,
-            PipelineConfig(
-                group_size=GROUP_SIZE, groups_per_batch=GROUPS_PER_BATCH, prefetch_batches=0, idle_timeout_s=5.0
-            ),
+            PipelineConfig(group_size=GROUP_SIZE, groups_per_batch=GROUPS_PER_BATCH, idle_timeout_s=5.0),
         )
     )
     if checkpointer.latest_step() is not None:

@@ -7,10 +7,11 @@ As a script: `python tests/rollout_log_worker.py DIR WRITER_ID COUNT SEED` appen
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 import numpy as np
 
-from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from areal_jax.data.rollout_log import RolloutLogWriter
 from areal_jax.data.trajectory import Trajectory
 
 
@@ -50,13 +51,22 @@ def make_trajectory(
     )
 
 
+def append_in_shards(writer: RolloutLogWriter, trajectories: Iterable[Trajectory], per_shard: int) -> None:
+    """Append `trajectories`, committing a shard whenever `per_shard` records are buffered (the rest wait
+    for the next flush or close)."""
+    for trajectory in trajectories:
+        writer.append(trajectory)
+        if writer.buffered >= per_shard:
+            writer.flush()
+
+
 def main(directory: str, writer_id: str, count: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    config = RolloutLogConfig(max_records=int(rng.integers(2, 9)), max_age_s=60.0)
-    with RolloutLogWriter(directory, writer_id, config) as writer:
+    per_shard = int(rng.integers(2, 9))
+    with RolloutLogWriter(directory, writer_id) as writer:
         for i in range(count):
             writer.append(make_trajectory(i, metadata={"writer": writer_id, "i": i}, length=int(rng.integers(5, 40))))
-            if rng.random() < 0.1:
+            if writer.buffered >= per_shard or rng.random() < 0.1:
                 writer.flush()
 
 

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from areal_jax.config import load_experiment
+from areal_jax.jobs.train import run_async
+from areal_jax.jsonl import read_jsonl
 from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.planning.calibration import read_calibration
-from areal_jax.system.async_rl import _TrainingRun, load_metrics, run_async
+from areal_jax.system.rollout_side import RolloutSide
+from areal_jax.system.step_report import monitor_logprobs
 from areal_jax.trainer.checkpoint import TrainCheckpointer
-from areal_jax.weights.in_process import InProcessPublisher
 
 FAST = [
     "train_steps=4",
@@ -42,7 +44,7 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, monkeypatch,
     cfg = load_experiment("configs/train_cpu.yaml", overrides)
     summary = run_async(cfg)
     assert summary.version == 4 and summary.steps == 4
-    metrics = load_metrics(summary.metrics_file)
+    metrics = read_jsonl(summary.metrics_file)
     assert [m["train/version"] for m in metrics] == [1, 2, 3, 4]
     assert freed == [True] * 4  # no version outlives its successor (at 0.5B one engine copy is 1.7 GiB)
     assert all(m["rollout/staleness_max"] <= eta for m in metrics)
@@ -67,25 +69,25 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, monkeypatch,
         return  # resuming is the same code at any eta (and tests/test_resume_prompts.py kills the real process)
     resumed = run_async(cfg.replace(train_steps=6), resume=True)
     assert resumed.version == 6 and resumed.steps == 2
-    metrics = load_metrics(resumed.metrics_file)
+    metrics = read_jsonl(resumed.metrics_file)
     assert [m["train/version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
 
 
 def _record_whether_each_publish_frees_the_served_version(monkeypatch) -> list[bool]:
-    """Per in-process publish: whether every engine array of the version served before it was freed once the
-    generator used the new one (nothing, e.g. a local of the set-up, keeps an old version alive)."""
+    """Per version applied to the rollout side: whether every engine array of the version served before it was
+    freed once the generator used the new one (nothing, e.g. a local of the set-up, keeps an old version alive)."""
     freed: list[bool] = []
-    publish = InProcessPublisher.__call__
+    apply = RolloutSide.apply
 
     def spy(self, params, version):
         served = self.generator.params
         refs = [weakref.ref(leaf) for leaf in jax.tree.leaves((served.state, served.layers))]
         del served
-        publish(self, params, version)
+        apply(self, params, version)
         gc.collect()
         freed.append(all(ref() is None for ref in refs))
 
-    monkeypatch.setattr(InProcessPublisher, "__call__", spy)
+    monkeypatch.setattr(RolloutSide, "apply", spy)
     return freed
 
 
@@ -102,7 +104,7 @@ def test_the_main_job_learns(tmp_path):
         "configs/train_cpu.yaml",
         ["train_steps=50", "report.plots=false", "eval.every_steps=0", f"output_dir={tmp_path}"],
     )
-    metrics = load_metrics(run_async(cfg).metrics_file)
+    metrics = read_jsonl(run_async(cfg).metrics_file)
     first, last = metrics[:10], metrics[-10:]
 
     def mean(rows, key):
@@ -113,10 +115,9 @@ def test_the_main_job_learns(tmp_path):
 
 
 def test_logprob_monitor_reports_on_policy_tokens_and_warns_above_the_threshold(caplog):
-    run = _TrainingRun.__new__(_TrainingRun)  # only the monitor: no model, no threads
-    run.cfg = load_experiment("configs/train_cpu.yaml", ["trainer.logprob_mismatch_warning=0.01"])
+    cfg = load_experiment("configs/train_cpu.yaml", ["trainer.logprob_mismatch_warning=0.01"])
     stale_only = {"staleness/0/n_tokens": 0.0}
-    run._monitor_logprobs(stale_only)
+    monitor_logprobs(cfg, stale_only)
     assert "monitor/logp_abs_diff" not in stale_only  # no token of the current version: nothing to compare
     stats = {
         "staleness/0/n_tokens": 12.0,
@@ -124,6 +125,6 @@ def test_logprob_monitor_reports_on_policy_tokens_and_warns_above_the_threshold(
         "staleness/0/logp_abs_diff_max": 0.2,
         "staleness/0/approx_kl": 0.001,
     }
-    run._monitor_logprobs(stats)
+    monitor_logprobs(cfg, stats)
     assert (stats["monitor/onpolicy_tokens"], stats["monitor/logp_abs_diff"], stats["monitor/kl"]) == (12, 0.03, 0.001)
     assert "differ by 0.03 on average (max 0.2" in caplog.text and "logprob_mismatch_warning=0.01" in caplog.text

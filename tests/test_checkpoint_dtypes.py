@@ -19,9 +19,9 @@ from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError
 from areal_jax.evaluation import restore_trained_params
+from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.system.assembly import build_tokenizer, policy_config
-from areal_jax.system.starting_policy import load_policy
 from tests.tiny_hf_run import make_tiny_hf_run
 
 RECIPE = "configs/recipes/qwen25_05b_gsm8k_smoke.yaml"

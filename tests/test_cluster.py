@@ -3,14 +3,15 @@ launcher's core split and command lines, and the staleness bound split over serv
 
 from __future__ import annotations
 
+import functools
 import itertools
 from pathlib import Path
 
 import pytest
 
+from areal_jax.jobs.launcher import server_specs, share_cores, split_cores, trainer_specs
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager, server_share
 from areal_jax.system.cluster import ControlFiles, ResumePoint, owns_group, resume_point, server_group_ids
-from areal_jax.system.launcher import server_specs, share_cores, split_cores, trainer_specs
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3, 5])
@@ -24,12 +25,12 @@ def test_server_shares_add_up_to_the_one_process_bound(servers: int) -> None:
 def test_servers_together_admit_exactly_the_one_process_bound() -> None:
     config = StalenessConfig(max_head_offpolicyness=2, batch_prompts=5, max_concurrent=100)
     managers = [StalenessManager(config, version=1, server=i, servers=3) for i in range(3)]
-    admitted = sum(1 for m in managers for _ in iter(m.try_admit, False))
+    admitted = sum(1 for m in managers for _ in iter(functools.partial(m.wait_for_capacity, 0), False))
     single = StalenessManager(config, version=1)
-    assert admitted == sum(1 for _ in iter(single.try_admit, False)) == (2 + 1 + 1) * 5
+    assert admitted == sum(1 for _ in iter(functools.partial(single.wait_for_capacity, 0), False)) == (2 + 1 + 1) * 5
     for manager in managers:
         manager.set_version(2)
-    assert sum(m.capacity() for m in managers) == 5  # one more batch per version, over all servers
+    assert sum(m.snapshot().capacity for m in managers) == 5  # one more batch per version, over all servers
 
 
 def test_a_server_index_out_of_range_is_refused() -> None:
@@ -130,7 +131,7 @@ def test_a_rollout_server_over_several_processes_is_one_job_on_its_own_port() ->
 def test_a_resumed_trainer_drops_the_weight_versions_of_its_lost_future(tmp_path: Path) -> None:
     import jax.numpy as jnp
 
-    from areal_jax.system.trainer_role import _drop_versions_after
+    from areal_jax.jobs.trainer_role import _drop_versions_after
     from areal_jax.weights.orbax_store import OrbaxWeightPublisher, OrbaxWeightSubscriber
 
     store = tmp_path / "weights"

@@ -11,9 +11,9 @@ from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import CharTokenizer
-from areal_jax.rewards.synthetic import ArithmeticTaskConfig, make_problems
+from areal_jax.rewards.synthetic import ArithmeticTaskConfig, arithmetic_reward, make_problems
 from areal_jax.rollout.controller import RolloutController
-from areal_jax.rollout.environments import arithmetic_prompt_record, arithmetic_reward_fn
+from areal_jax.rollout.environments import SyntheticRewardFn, arithmetic_prompt_record
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
 from areal_jax.rollout.workflow import RLVRWorkflow, WorkflowConfig
 
@@ -32,7 +32,9 @@ def _setup():
     engine = Engine(model, EngineConfig(max_slots=8, max_length=64))
     generator = Generator(engine, engine.load_params(nnx.state(model), 0))
     workflow = RLVRWorkflow(
-        WorkflowConfig(n_samples=2, sampling=SamplingParams(max_new_tokens=4, seed=0)), tokenizer, arithmetic_reward_fn
+        WorkflowConfig(n_samples=2, sampling=SamplingParams(max_new_tokens=4, seed=0)),
+        tokenizer,
+        SyntheticRewardFn(arithmetic_reward),
     )
     tasks = enumerate([arithmetic_prompt_record(p) for p in make_problems(ArithmeticTaskConfig(), 50, seed=0)])
     return generator, workflow, tasks

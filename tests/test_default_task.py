@@ -11,7 +11,7 @@ import re
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal_jax.config import load_experiment
-from areal_jax.system.async_rl import run_async
+from areal_jax.jobs.train import run_async
 from areal_jax.system.reporting import tensorboard_tag
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -19,7 +19,7 @@ from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError
 from areal_jax.storage import write_json_atomic
 from areal_jax.system.cluster import weight_load_status, weight_path_stats
-from areal_jax.system.config import ClusterConfig
+from areal_jax.system_config import ClusterConfig
 from areal_jax.weights import OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
 from areal_jax.weights.direct import DirectWeightPublisher, DirectWeightSubscriber, read_announcement
 from areal_jax.weights.pieces import offered_pieces, plan_leaf

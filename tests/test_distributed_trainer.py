@@ -27,9 +27,9 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from areal_jax import storage
-from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.jsonl import read_jsonl
 from areal_jax.storage import read_json
-from areal_jax.system.async_rl import load_metrics
 from tests.gcs_emulator import BUCKET, GcsEmulator
 from tests.rollout_log_worker import make_trajectory
 from tests.xla_flags import xla_flags
@@ -104,14 +104,14 @@ def _write_groups_when_ready(run_dir: str, trainer: subprocess.Popen, groups: ra
             raise AssertionError(f"the trainer ended before it was ready:\n{trainer.communicate()[0][-4000:]}")
         assert time.monotonic() < deadline, "the trainer was not ready in time"
         time.sleep(0.1)
-    with RolloutLogWriter(
-        storage.join(run_dir, "rollout_log"), writer, RolloutLogConfig(max_records=3, max_age_s=60)
-    ) as log:
+    with RolloutLogWriter(storage.join(run_dir, "rollout_log"), writer) as log:
         for group in groups:
             for sample in range(SAMPLES):
                 length = 16 if sample == 0 else 10 + group % 6  # every step packs to one shape: one compilation
                 t = make_trajectory(group, sample, length=length, seed=1)
                 log.append(t.__class__(**{**t.__dict__, "token_ids": t.token_ids % VOCAB}))
+                if log.buffered == 3:  # shards of 3 records
+                    log.flush()
 
 
 def _finish(processes: list[subprocess.Popen]) -> list[str]:
@@ -163,7 +163,7 @@ def test_trainer_role_over_two_processes_matches_one_and_resumes(tmp_path: Path,
     ]
     records = tmp_path / "two-records"  # what the bucket holds of process 0's records
     storage.download_tree(two, records)
-    metrics = load_metrics(records / "metrics.jsonl")
+    metrics = read_jsonl(records / "metrics.jsonl")
     assert [m["train/version"] for m in metrics] == [1, 2, 3]  # process 0's lines only
     assert all(m["train/skipped_updates"] == 0 and m["train/grad_norm"] > 0 for m in metrics)  # params moved
     assert "on process 1" not in (records / "train.log").read_text()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter
+from areal_jax.data.rollout_log import RolloutLogWriter
 from tests.rollout_log_worker import make_trajectory
 from tests.xla_flags import xla_flags
 
@@ -47,11 +47,13 @@ def _consumed(out):
 def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path):
     log_dir = tmp_path / "log"
     rng = np.random.default_rng(0)
-    with RolloutLogWriter(log_dir, "w0", RolloutLogConfig(max_records=3, max_age_s=60)) as writer:
+    with RolloutLogWriter(log_dir, "w0") as writer:
         for group in range(2 * K * 2 + 2):  # groups_per_batch = 2; two spare groups stay unconsumed
             for sample in range(2):
                 trajectory = make_trajectory(group, sample, length=int(rng.integers(6, 30)), seed=1)
                 writer.append(trajectory.__class__(**{**trajectory.__dict__, "token_ids": trajectory.token_ids % 64}))
+                if writer.buffered == 3:  # shards of 3 records
+                    writer.flush()
 
     straight = _run(log_dir, tmp_path / "ckpt_a", tmp_path / "a", 2 * K, 0)
     assert straight.returncode == 0, straight.stderr[-3000:]

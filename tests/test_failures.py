@@ -7,8 +7,9 @@ import time
 import pytest
 
 from areal_jax.config import load_experiment
+from areal_jax.jobs.train import run_async
 from areal_jax.rollout.failures import FailureBudget, FailureBudgetConfig
-from areal_jax.system.async_rl import RunFailed, run_async
+from areal_jax.system.stop_control import RunFailed
 
 FAST = ["train_steps=4", "report.plots=false", "eval.every_steps=0"]
 

@@ -9,17 +9,11 @@ import pytest
 
 from areal_jax import storage
 from areal_jax.data.pipeline import PipelineConfig, build_pipeline, set_aside_unread
-from areal_jax.data.rollout_log import (
-    RolloutLogConfig,
-    RolloutLogWriter,
-    ShardFetcher,
-    list_shards,
-    logged_group_ids,
-    read_positions,
-    read_shard,
-)
+from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.data.rollout_log_reader import ShardFetcher, logged_group_ids, read_positions, read_shard
+from areal_jax.data.rollout_log_shards import list_shards
 from tests.gcs_emulator import BUCKET, GcsEmulator
-from tests.rollout_log_worker import make_trajectory
+from tests.rollout_log_worker import append_in_shards, make_trajectory
 
 FAST = {"poll_initial_s": 0.005, "poll_max_s": 0.05, "idle_timeout_s": 0.3}
 
@@ -30,9 +24,8 @@ def _directory() -> str:
 
 def test_shards_written_to_gcs_read_back_whole_and_in_order(gcs: GcsEmulator, tmp_path) -> None:
     log = _directory()
-    with RolloutLogWriter(log, "w0", RolloutLogConfig(max_records=3)) as writer:
-        for i in range(7):
-            writer.append(make_trajectory(i // 2, i % 2))
+    with RolloutLogWriter(log, "w0") as writer:
+        append_in_shards(writer, (make_trajectory(i // 2, i % 2) for i in range(7)), 3)
     shards = list_shards(log)
     assert [(s.shard_seq, s.first_record, s.num_records) for s in shards] == [(0, 0, 3), (1, 3, 3), (2, 6, 1)]
     entries = [e for s in shards for e in read_shard(log, s)[0]]
@@ -44,27 +37,27 @@ def test_shards_written_to_gcs_read_back_whole_and_in_order(gcs: GcsEmulator, tm
     assert storage.names(log) == [s.name for s in shards]
 
     # a restarted writer continues after its last shard; a second live writer of the same id is refused
-    with RolloutLogWriter(log, "w0", RolloutLogConfig(max_records=1)) as again:
+    with RolloutLogWriter(log, "w0") as again:
         assert again.next_record_seq == 7
         again.append(make_trajectory(9, 0))
-    stale = RolloutLogWriter(log, "w0", RolloutLogConfig(max_records=3))
+    stale = RolloutLogWriter(log, "w0")
     stale._next_shard = stale._next_record = 0  # a second writer that began before the others' shards
-    stale.append(make_trajectory(10, 0))
-    stale.append(make_trajectory(10, 1))
+    for sample in range(3):
+        stale.append(make_trajectory(10, sample))
     with pytest.raises(FileExistsError, match="another live writer"):
-        stale.append(make_trajectory(10, 2))
+        stale.flush()
     assert [e.trajectory.group_id for e in read_shard(log, shards[0])[0]] == [0, 0, 1]  # not replaced
 
 
 def test_pipeline_tails_a_gcs_log_and_a_resume_sets_the_unread_shards_aside(gcs: GcsEmulator) -> None:
     root = f"gs://{BUCKET}/{uuid.uuid4().hex}"
     log, aside_dir = storage.join(root, "rollout_log"), storage.join(root, "rollout_log_unused")
-    with RolloutLogWriter(log, "w0", RolloutLogConfig(max_records=2)) as writer:
+    with RolloutLogWriter(log, "w0") as writer:
         for group in range(4):
             writer.append(make_trajectory(group, 0))
             writer.append(make_trajectory(group, 1))
             writer.flush()
-    config = PipelineConfig(group_size=2, groups_per_batch=1, prefetch_batches=0, **FAST)
+    config = PipelineConfig(group_size=2, groups_per_batch=1, **FAST)
     iterator = iter(build_pipeline(log, config))
     assert [t.group_id for t in next(iterator)] == [0, 0]
     state = iterator.get_state()
@@ -81,9 +74,8 @@ def test_pipeline_tails_a_gcs_log_and_a_resume_sets_the_unread_shards_aside(gcs:
 
 def test_a_reader_fetches_the_next_shards_from_the_bucket_in_the_background(gcs: GcsEmulator) -> None:
     log = _directory()
-    with RolloutLogWriter(log, "w0", RolloutLogConfig(max_records=1)) as writer:
-        for group in range(5):
-            writer.append(make_trajectory(group, 0))
+    with RolloutLogWriter(log, "w0") as writer:
+        append_in_shards(writer, (make_trajectory(group, 0) for group in range(5)), 1)
     shards = list_shards(log)
     fetcher = ShardFetcher(log, ahead=3)
     fetcher.prefetch(shards)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from areal_jax import storage
 from areal_jax.config import load_experiment
-from areal_jax.data.rollout_log import list_shards, read_shard
+from areal_jax.data.rollout_log_reader import read_shard
+from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from tests.gcs_emulator import BUCKET, GcsEmulator
 
@@ -51,7 +52,7 @@ def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flag
         f"train_steps={steps}",
         f"output_dir={output_dir}",
         f"local_copy_dir={local_copy}",
-        f"compilation_cache_dir={tmp_path / 'xla'}",
+        "compilation_cache_dir=null",  # the test session's cache: programs other tests compiled load from it
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

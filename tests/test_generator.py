@@ -1,4 +1,4 @@
-"""Generator: continuous batching, interruptible weight updates, abort/pause, stop conditions,
+"""Generator: continuous batching, interruptible weight updates, abort, stop conditions,
 bounded compilation under many concurrent requests."""
 
 import asyncio
@@ -11,7 +11,7 @@ from flax import nnx
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
-from tests.engine_fixtures import TINY, scoring_logprobs, tiny_model
+from tests.engine_fixtures import TINY, all_at_once, scoring_logprobs, tiny_model
 
 TEMPERATURE = 0.9
 
@@ -38,10 +38,10 @@ def test_weight_update_mid_generation(models, interrupt):
     with Generator(engine, engine.load_params(nnx.state(old), 0)) as gen:
         future = gen.submit(prompt, sampling)
         _wait_until(lambda: gen.stats.emitted_tokens >= 4)
-        gen.pause()
-        emitted_before = gen.stats.emitted_tokens
-        applied = gen.update_params(nnx.state(new), 1, interrupt=interrupt)
-        gen.resume()
+        at_swap = []  # the tokens handled when the new weights came into use, read on the loop thread
+        with all_at_once(gen):  # the update cannot land before its callback is attached
+            applied = gen.update_params(nnx.state(new), 1, interrupt=interrupt)
+            applied.add_done_callback(lambda _: at_swap.append(gen.stats.emitted_tokens))
         assert applied.result(timeout=60) == 1
         (result,) = future.result(timeout=60)
         later = gen.submit(prompt, sampling).result(timeout=60)[0]
@@ -49,7 +49,8 @@ def test_weight_update_mid_generation(models, interrupt):
     assert len(result.output_ids) == 40 and result.finish_reason == "length"
     assert (np.diff(versions) >= 0).all()
     if interrupt:
-        assert result.num_interruptions == 1 and gen.stats.interruptions == 1
+        (emitted_before,) = at_swap
+        assert result.num_interruptions == 1 and gen.stats.interruptions == 1 and emitted_before >= 4
         assert (versions[:emitted_before] == 0).all()
         assert versions[-1] == 1 and (versions == 0).sum() == emitted_before
     else:
@@ -75,9 +76,8 @@ def test_prefill_ahead_batches_queued_prompts_without_changing_results(models):
     with Generator(Engine(model, config), params) as gen:
         alone = [gen.submit(p, s).result(timeout=120)[0].output_ids for p, s in zip(prompts, samplings, strict=True)]
     with Generator(Engine(model, config), params) as gen:
-        gen.pause()
-        futures = [gen.submit(p, s) for p, s in zip(prompts, samplings, strict=True)]
-        gen.resume()
+        with all_at_once(gen):
+            futures = [gen.submit(p, s) for p, s in zip(prompts, samplings, strict=True)]
         together = [f.result(timeout=120)[0].output_ids for f in futures]
         assert gen.stats.prefills == len(prompts)  # each prompt prefilled exactly once
         # the first 4 fill the slots; when the shortest finishes, the 5th is prefilled with 3 more ahead
@@ -91,20 +91,18 @@ def test_prefixes_prefilled_ahead_are_dropped_when_weights_change(models, interr
     every token it emits carries version 1 and the new params' log-probs."""
     old, new = models
     engine = Engine(old, EngineConfig(max_slots=2, max_length=96, max_prefill_batch=2))
-    lengths = {"a": 70, "x": 2, "b": 60, "c": 8}  # b and a run long: the test pauses before c is admitted
+    lengths = {"a": 70, "x": 2, "b": 60, "c": 8}  # b and a run long: the update comes before c is admitted
     prompts = {name: [2 + i, 7, 1, 8, 2] for i, name in enumerate(lengths)}
     with Generator(engine, engine.load_params(nnx.state(old), 0)) as gen:
-        gen.pause()
-        futures = {
-            name: gen.submit(prompts[name], SamplingParams(temperature=TEMPERATURE, max_new_tokens=n, seed=i))
-            for i, (name, n) in enumerate(lengths.items())
-        }
-        gen.resume()
+        with all_at_once(gen):
+            futures = {
+                name: gen.submit(prompts[name], SamplingParams(temperature=TEMPERATURE, max_new_tokens=n, seed=i))
+                for i, (name, n) in enumerate(lengths.items())
+            }
         _wait_until(lambda: gen.stats.prefill_calls == 2)  # x finished: b admitted, c prefilled ahead (v0)
-        gen.pause()
-        assert gen.stats.prefills == 4 and not futures["b"].done()
-        applied = gen.update_params(nnx.state(new), 1, interrupt=interrupt)
-        gen.resume()
+        with all_at_once(gen):
+            assert gen.stats.prefills == 4 and not futures["b"].done()
+            applied = gen.update_params(nnx.state(new), 1, interrupt=interrupt)
         assert applied.result(timeout=60) == 1
         results = {name: future.result(timeout=60)[0] for name, future in futures.items()}
         # interrupted: a and b re-prefilled with c; draining: c alone once a and b are done
@@ -164,25 +162,19 @@ def test_slots_refill_as_soon_as_one_finishes(models):
     assert steps_when_shorts_done <= 16
 
 
-def test_abort_pause_resume_and_stop_strings(models):
+def test_abort_idle_time_and_stop_strings(models):
     model = models[0]
     engine = Engine(model, EngineConfig(max_slots=2, max_length=64))
     params = engine.load_params(nnx.state(model), 0)
     with Generator(engine, params, detokenize=lambda ids: "".join(chr(97 + t % 26) for t in ids)) as gen:
+        time.sleep(0.2)  # no request yet: the loop waits, and waiting is not working (the planner's generation rate)
+        assert gen.stats.busy_seconds == 0
         endless = gen.submit([1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=60, seed=1), request_id="x")
         _wait_until(lambda: gen.stats.emitted_tokens >= 2)
-        gen.pause()
-        frozen = gen.stats.emitted_tokens
-        gen.pause()  # each pause is a round trip through the loop, which runs an iteration between two of them
-        gen.pause()  # when it ignores the pause: a decode step after `frozen` was read would come before this
-        assert gen.stats.emitted_tokens == frozen
-        busy = gen.stats.busy_seconds
-        time.sleep(0.2)  # paused: the loop waits, and waiting is not working (the planner's generation rate)
-        assert 0 < gen.stats.busy_seconds == busy
-        gen.resume()
         gen.abort("x")
         (aborted,) = endless.result(timeout=60)
         assert aborted.finish_reason == "abort" and 2 <= len(aborted.output_ids) < 60
+        assert gen.stats.busy_seconds > 0
 
         greedy = gen.submit([5, 6], SamplingParams(temperature=0.0, max_new_tokens=20)).result(timeout=60)[0]
         text = "".join(chr(97 + t % 26) for t in greedy.output_ids)
@@ -212,14 +204,14 @@ def test_async_api_and_bad_input(models):
         with pytest.raises(ValueError, match="n must be >= 1"):
             gen.submit([1], SamplingParams(), n=0)
         # a request id already in flight fails the second future; the id is free again once answered
-        gen.pause()
-        first = gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup")
-        second = gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup")
+        with all_at_once(gen):
+            first = gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup")
+            second = gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup")
+            assert gen.num_in_flight() == 2
         with pytest.raises(ValueError, match="'dup' is already in flight"):
             second.result(timeout=60)
-        assert gen.num_in_flight() == 1
-        gen.resume()
         assert len(first.result(timeout=60)) == 1
+        assert gen.num_in_flight() == 0  # the refused request is not counted as in flight either
         assert len(gen.submit([1, 2], SamplingParams(max_new_tokens=2), request_id="dup").result(timeout=60)) == 1
     with pytest.raises(RuntimeError, match="closed"):
         gen.submit([1], SamplingParams())

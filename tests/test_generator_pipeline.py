@@ -10,7 +10,7 @@ from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from tests.conftest import CompileCounter
-from tests.engine_fixtures import scoring_logprobs, tiny_model
+from tests.engine_fixtures import all_at_once, scoring_logprobs, tiny_model
 
 
 def _decode(ids):  # two characters per token: stop strings cross token boundaries
@@ -54,12 +54,11 @@ def test_pipelined_equals_unpipelined_greedy(warm_engine):
     with CompileCounter() as compiles:
         for pipelined in (False, True):
             with Generator(engine, params, detokenize=_decode, pipelined=pipelined) as gen:
-                gen.pause()  # everything queued before the first step, in both orders
-                futures = [
-                    gen.submit(p, s, n=2 if i == 3 else 1)
-                    for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
-                ]
-                gen.resume()
+                with all_at_once(gen):  # everything queued before the first step, in both orders
+                    futures = [
+                        gen.submit(p, s, n=2 if i == 3 else 1)
+                        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
+                    ]
                 plain[pipelined] = [r for f in futures for r in f.result(timeout=120)]
                 steps[pipelined] = gen.stats.decode_steps
     assert compiles.count == 0
@@ -88,12 +87,13 @@ def test_weight_update_lands_after_the_running_step_in_both_orders(warm_engine):
     with CompileCounter() as compiles:
         for pipelined in (False, True):
             with Generator(engine, params, pipelined=pipelined) as gen:
-                gen.pause()
-                futures = {name: gen.submit(p, sampling) for name, p in prompts.items()}
-                trigger = gen.submit([6, 6], SamplingParams(temperature=0.0, max_new_tokens=6 if pipelined else 7))
-                updated = []
-                trigger.add_done_callback(lambda _, gen=gen, out=updated: out.append(gen.update_params(new_state, 1)))
-                gen.resume()
+                with all_at_once(gen):
+                    futures = {name: gen.submit(p, sampling) for name, p in prompts.items()}
+                    trigger = gen.submit([6, 6], SamplingParams(temperature=0.0, max_new_tokens=6 if pipelined else 7))
+                    updated = []
+                    trigger.add_done_callback(
+                        lambda _, gen=gen, out=updated: out.append(gen.update_params(new_state, 1))
+                    )
                 outputs[pipelined] = {name: f.result(timeout=120)[0] for name, f in futures.items()}
                 assert updated[0].result(timeout=60) == 1 and gen.stats.interruptions == 2
     assert compiles.count == 0

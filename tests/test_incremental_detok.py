@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from areal_jax.inference.generator import StopStringMatcher
+from areal_jax.inference.stop_strings import StopStringMatcher
 from areal_jax.models.tokenizer import REPLACEMENT_CHAR, HFTokenizer, IncrementalDecoder
 from tests.tiny_hf_run import make_bpe_tokenizer_dir
 

@@ -14,9 +14,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from areal_jax.data.rollout_log import list_shards, read_shard
+from areal_jax.data.rollout_log_reader import read_shard
+from areal_jax.data.rollout_log_shards import list_shards
+from areal_jax.jsonl import read_jsonl
 from areal_jax.planning.calibration import read_calibration
-from areal_jax.system.async_rl import load_metrics
 
 ETA = 1
 STEPS = 10
@@ -58,8 +59,8 @@ def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
     command += [
         f"output_dir={tmp_path}",
         "name=run",
-        f"compilation_cache_dir={tmp_path / 'xla'}",
-    ]  # a restarted server loads its programs
+        "compilation_cache_dir=null",  # the test session's cache: a restarted server loads its programs
+    ]
     env = {
         k: v for k, v in os.environ.items() if k != "XLA_FLAGS"
     }  # one CPU device per process, as on a user's machine
@@ -79,7 +80,7 @@ def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
     restarted = json.loads(status_file.read_text())["pid"]
     assert restarted != victim
 
-    metrics = load_metrics(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["train/version"] for m in metrics] == list(range(1, STEPS + 1))
     # eta bounds the version a group starts at; batches take whole groups in completion order, so one may be
     # trained a version later than that (docs/architecture.md), e.g. a group re-issued after the kill

@@ -2,7 +2,9 @@
 across the processes, heads within each), driven by process 0's Generator through `MirroredEngine`,
 against the same engine in one process over 4 devices: the same tokens, log-probs and versions for the
 same requests, with a weight version restored from the store by each process and swapped in mid-stream
-(interrupting). Then process 1 is killed: process 0 notices and exits with the message that says so."""
+(interrupting), on the paged KV cache (its page tables travel with the commands; the rollout server test
+below runs the dense one). Then process 1 is killed: process 0 notices and exits with the message that
+says so."""
 
 from __future__ import annotations
 
@@ -86,10 +88,10 @@ def test_engine_over_two_processes_matches_one_process_and_stops_on_a_lost_proce
         publisher.publish(nnx.state(tiny_model(version)), version)
     publisher.close()
     out = tmp_path / "two.json"
-    leader, follower = _workers("generate", store, out)
+    leader, follower = _workers("generate-paged", store, out)
     lines = _lines(leader)
 
-    engine, target = make_engine(jax.devices()[:4])
+    engine, target = make_engine(jax.devices()[:4], paged=True)
     reference = generate_with_update(engine, OrbaxWeightSubscriber(store), target)
 
     _wait_for(lines, "generated", timeout_s=240)
@@ -127,7 +129,7 @@ SERVER_RUN = [
 
 def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp_path: Path) -> None:
     from areal_jax.config import load_experiment
-    from areal_jax.data.rollout_log import list_shards
+    from areal_jax.data.rollout_log_shards import list_shards
     from areal_jax.system.assembly import build_tokenizer, random_policy
     from areal_jax.system.cluster import ControlFiles
 

@@ -1,10 +1,9 @@
-"""Grain pipeline over the rollout log: exact resume, staleness filter, group assembly, slicing, stopping."""
+"""Grain pipeline over the rollout log: exact resume, staleness filter, group assembly, live tailing, stopping."""
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,8 @@ import pytest
 
 from areal_jax.configuration import ConfigError
 from areal_jax.data.pipeline import PipelineConfig, build_pipeline, pipeline_stats, set_aside_unread, staleness_of
-from areal_jax.data.rollout_log import RolloutLogConfig, RolloutLogWriter, list_shards
+from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.data.rollout_log_shards import list_shards
 from tests.rollout_log_worker import make_trajectory
 
 FAST = {"poll_initial_s": 0.005, "poll_max_s": 0.05, "idle_timeout_s": 0.3}
@@ -32,10 +32,12 @@ def write_groups(
     rng = np.random.default_rng(seed)
     samples = [(g, s) for g in range(num_groups) for s in range(group_size)]
     order = [samples[i] for i in rng.permutation(len(samples))]
-    logs = [RolloutLogWriter(directory, f"w{k}", RolloutLogConfig(max_records=5)) for k in range(writers)]
+    logs = [RolloutLogWriter(directory, f"w{k}") for k in range(writers)]
     for i, (g, s) in enumerate(order):
-        version = (versions or {}).get(g, 0)
-        logs[i % writers].append(make_trajectory(g, s, version=version))
+        log = logs[i % writers]
+        log.append(make_trajectory(g, s, version=(versions or {}).get(g, 0)))
+        if log.buffered == 5:  # shards of 5 records
+            log.flush()
     for log in logs:
         log.close()
     return order
@@ -63,10 +65,9 @@ def test_groups_are_assembled_from_out_of_order_arrivals(tmp_path: Path) -> None
     assert sorted(k for b in batches for k in keys(b)) == [(g, s) for g in range(12) for s in range(4)]
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_get_state_set_state_resumes_exactly(tmp_path: Path, prefetch: int) -> None:
+def test_get_state_set_state_resumes_exactly(tmp_path: Path) -> None:
     write_groups(tmp_path, num_groups=30, group_size=4)
-    config = PipelineConfig(group_size=4, groups_per_batch=2, prefetch_batches=prefetch, **FAST)
+    config = PipelineConfig(group_size=4, groups_per_batch=2, **FAST)
     dataset = build_pipeline(tmp_path, config)
 
     iterator = iter(dataset)
@@ -134,45 +135,30 @@ def test_staleness_of_is_trainer_version_minus_oldest_generated_version() -> Non
     assert staleness_of(prompt_only, 6) == 0
 
 
-def test_processes_split_the_groups_between_them(tmp_path: Path) -> None:
-    write_groups(tmp_path, num_groups=10, group_size=2)
-    config = PipelineConfig(group_size=2, groups_per_batch=1, **FAST)
-    seen = [
-        {t.group_id for b in build_pipeline(tmp_path, config, process_index=i, process_count=3) for t in b}
-        for i in range(3)
-    ]
-    assert seen == [{g for g in range(10) if g % 3 == i} for i in range(3)]
-
-
-def test_batch_fn_hook_and_live_tailing(tmp_path: Path) -> None:
+def test_live_tailing(tmp_path: Path) -> None:
     config = PipelineConfig(group_size=2, groups_per_batch=2, poll_initial_s=0.005, poll_max_s=0.05)
     stop = threading.Event()
-    iterator = iter(build_pipeline(tmp_path, config, batch_fn=keys, stop_event=stop))
+    iterator = iter(build_pipeline(tmp_path, config, stop_event=stop))
 
     def produce() -> None:
-        with RolloutLogWriter(tmp_path, "live", RolloutLogConfig(max_records=1)) as writer:
+        with RolloutLogWriter(tmp_path, "live") as writer:
             for g in range(4):
                 for s in (1, 0):
                     writer.append(make_trajectory(g, s))
+                    writer.flush()
 
     producer = threading.Thread(target=produce)
     producer.start()
-    assert next(iterator) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert next(iterator) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert keys(next(iterator)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert keys(next(iterator)) == [(2, 0), (2, 1), (3, 0), (3, 1)]
     producer.join()
     stop.set()
     with pytest.raises(StopIteration):
         next(iterator)
 
 
-def test_close_and_stop_end_a_waiting_iterator(tmp_path: Path) -> None:
+def test_stop_ends_a_waiting_iterator(tmp_path: Path) -> None:
     config = PipelineConfig(group_size=1, groups_per_batch=1, poll_max_s=0.2)
-    iterator = iter(build_pipeline(tmp_path, config))
-    iterator.start_prefetch()  # the prefetch thread now waits for shards that never come
-    started = time.monotonic()
-    iterator.close()
-    assert time.monotonic() - started < 5.0
-
     stop = threading.Event()
     iterator = iter(build_pipeline(tmp_path, config, stop_event=stop))
     threading.Timer(0.2, stop.set).start()
@@ -185,25 +171,23 @@ def test_config_and_argument_errors(tmp_path: Path) -> None:
         PipelineConfig(group_size=2, min_group_size=3)
     with pytest.raises(ValueError, match="trainer_version"):
         build_pipeline(tmp_path, PipelineConfig(group_size=1, groups_per_batch=1, max_staleness=1))
-    with pytest.raises(ValueError, match="process_index 2"):
-        build_pipeline(tmp_path, PipelineConfig(group_size=1, groups_per_batch=1), process_index=2, process_count=2)
     with pytest.raises(ValueError, match="needs group_size and groups_per_batch"):
         build_pipeline(tmp_path, PipelineConfig(group_size=4))
     with RolloutLogWriter(tmp_path, "w0") as writer:
         writer.append(make_trajectory(0, 5))
     with pytest.raises(ValueError, match="sample_index 5"):
-        list(build_pipeline(tmp_path, PipelineConfig(group_size=4, groups_per_batch=1, prefetch_batches=0, **FAST)))
+        list(build_pipeline(tmp_path, PipelineConfig(group_size=4, groups_per_batch=1, **FAST)))
 
 
 def test_set_aside_unread_ends_the_log_at_a_saved_position(tmp_path: Path) -> None:
     """A resume moves every shard the saved position has not reached out of the log (kept aside), deletes
     the temporary files of shards never committed, and a pipeline restored there reads nothing more."""
-    with RolloutLogWriter(tmp_path / "log", "w0", RolloutLogConfig(max_records=2)) as writer:
+    with RolloutLogWriter(tmp_path / "log", "w0") as writer:
         for group in range(4):
             writer.append(make_trajectory(group, 0))
             writer.append(make_trajectory(group, 1))
             writer.flush()
-    config = PipelineConfig(group_size=2, groups_per_batch=1, prefetch_batches=0, **FAST)
+    config = PipelineConfig(group_size=2, groups_per_batch=1, **FAST)
     iterator = iter(build_pipeline(tmp_path / "log", config))
     assert [t.group_id for t in next(iterator)] == [0, 0]
     state = iterator.get_state()

@@ -12,9 +12,10 @@ import pytest
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.data.datasets import DatasetConfig, load_prompts
-from areal_jax.data.rollout_log import list_shards, read_shard
+from areal_jax.data.rollout_log_reader import read_shard
+from areal_jax.data.rollout_log_shards import list_shards
+from areal_jax.jsonl import read_jsonl
 from areal_jax.models.tokenizer import load_tokenizer
-from areal_jax.system.async_rl import load_metrics
 from tests.tiny_hf_run import make_tiny_hf_run
 
 RECIPES = sorted(Path("configs/recipes").glob("*.yaml"))
@@ -44,7 +45,7 @@ def _train(tmp_path: Path, recipe: str, checkpoint: Path, data: Path, mapping: s
     ]
     assert main(["train", f"configs/recipes/{recipe}.yaml", *overrides]) == 0
     cfg = load_experiment(f"configs/recipes/{recipe}.yaml", overrides)
-    metrics = load_metrics(cfg.run_dir / "metrics.jsonl")
+    metrics = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert [m["train/version"] for m in metrics] == [1, 2, 3]
     assert (cfg.run_dir / "hf_final" / "config.json").exists()
     return cfg.run_dir
@@ -52,7 +53,7 @@ def _train(tmp_path: Path, recipe: str, checkpoint: Path, data: Path, mapping: s
 
 def test_gsm8k_recipe_trains_with_the_math_reward_and_evaluates(tmp_path, tiny, capsys):
     run_dir = _train(tmp_path, "qwen25_05b_gsm8k_smoke", tiny.checkpoint, tiny.gsm8k, "gsm8k")
-    metrics = load_metrics(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert all("rollout/correct_mean" in m for m in metrics)
     capsys.readouterr()
     out_dir = tmp_path / "eval"

@@ -16,7 +16,15 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.trainer.batching import build_batch
 from areal_jax.trainer.train_step import TrainStep
 from areal_jax.trainer.trainer import Trainer
-from tests.test_train_step import CONFIG, TEMPERATURE, TINY, make_trajectories, single_device_mesh, tiny_model_state
+from tests.test_train_step import (
+    CONFIG,
+    TEMPERATURE,
+    TINY,
+    loss_and_gradient,
+    make_trajectories,
+    single_device_mesh,
+    tiny_model_state,
+)
 
 KL_LOSS = CONFIG.replace(ppo=CONFIG.ppo.replace(kl_coef=0.2, kl_estimator="k2"))
 KL_REWARD = CONFIG.replace(advantage=CONFIG.advantage.replace(kl_reward_coef=0.3, kl_estimator="k3"))
@@ -66,8 +74,8 @@ def test_kl_loss_term_matches_numpy_in_value_and_gradient(setup):
     base, params, batch, device_batch, logp, logp_ref = setup
     graphdef, state = tiny_model_state()
     step = TrainStep(graphdef, state, KL_LOSS, single_device_mesh(), temperature=TEMPERATURE)
-    loss, grads, stats = step.gradients(params, device_batch, logp, 0, logp_ref)
-    loss_0, grads_0, stats_0 = base.gradients(params, device_batch, logp, 0)
+    loss, grads, stats = loss_and_gradient(step, params, device_batch, logp, 0, logp_ref)
+    loss_0, grads_0, stats_0 = loss_and_gradient(base, params, device_batch, logp)
 
     mask = batch.loss_mask
     kl = np_kl(np.asarray(logp), np.asarray(logp_ref), "k2")
@@ -107,7 +115,7 @@ def test_kl_reward_shaping_matches_numpy_and_is_ppo_on_the_shaped_advantages(set
     base, params, batch, device_batch, logp, logp_ref = setup
     graphdef, state = tiny_model_state()
     step = TrainStep(graphdef, state, KL_REWARD, single_device_mesh(), temperature=TEMPERATURE)
-    loss, grads, stats = step.gradients(params, device_batch, logp, 0, logp_ref)
+    loss, grads, stats = loss_and_gradient(step, params, device_batch, logp, 0, logp_ref)
 
     mask, coef = batch.loss_mask, KL_REWARD.advantage.kl_reward_coef
     kl = np.where(mask, np_kl(np.asarray(logp), np.asarray(logp_ref), "k3"), 0.0)
@@ -120,7 +128,7 @@ def test_kl_reward_shaping_matches_numpy_and_is_ppo_on_the_shaped_advantages(set
     np.testing.assert_allclose(float(loss), -np.sum((w * shaped)[mask]) / mask.sum(), rtol=1e-5)
 
     shaped_batch = base.put_batch(batch._replace(advantages=shaped.astype(np.float32)))
-    loss_s, grads_s, _ = base.gradients(params, shaped_batch, logp, 0)
+    loss_s, grads_s, _ = loss_and_gradient(base, params, shaped_batch, logp)
     np.testing.assert_allclose(float(loss), float(loss_s), rtol=1e-6)
     for g, g_s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_s), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_s), atol=1e-6, rtol=0)

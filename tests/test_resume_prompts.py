@@ -1,6 +1,9 @@
-"""The running system (engine, generator, log, pipeline, trainer in one process) killed for real — SIGKILL
-at three random points and SIGTERM once — and resumed each time, trains every prompt exactly once under
-the group id an uninterrupted run gives it, within the staleness bound, and logs each step once."""
+"""The running system killed for real and resumed, in both shapes of a run through the same rollout side
+(`system/rollout_side.py`): one process (engine, generator, log, pipeline, trainer: `areal-jax train`,
+SIGKILL at three random points and SIGTERM once) and a trainer process with a rollout server process
+(`areal-jax launch local --rollout 1`, the whole process group SIGKILLed at a random point, then SIGTERM
+once). Each trains every prompt exactly once under the group id an uninterrupted run gives it, within the
+staleness bound, and logs each step once."""
 
 from __future__ import annotations
 
@@ -15,13 +18,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from areal_jax.config import load_experiment
 from areal_jax.data.tasks import TaskStream, arithmetic_records
 from areal_jax.exit_codes import EXIT_RESUMABLE
+from areal_jax.jsonl import read_jsonl
 from areal_jax.models.hf_io import load_hf_checkpoint
-from areal_jax.system.async_rl import load_metrics
+from areal_jax.seeds import stream_seed
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 
 PROMPTS = 32  # 16 steps: every interruption below lands well inside the epoch
@@ -45,12 +50,33 @@ RUN = [
 ]
 
 
-def _train(output_dir: Path, cache: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "areal_jax.cli", "train", *RUN, f"output_dir={output_dir}"]
-    command += [f"compilation_cache_dir={cache}", *extra]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+SHAPES = {
+    "one process": (["train"], None),
+    "trainer and rollout server": (["launch", "local", "--rollout", "1"], 1),  # one CPU device per process
+}
+
+
+def _start(shape: str, output_dir: Path, *extra: str) -> subprocess.Popen:
+    subcommand, devices = SHAPES[shape]
+    command = [sys.executable, "-m", "areal_jax.cli", *subcommand, *extra, *RUN, f"output_dir={output_dir}"]
+    command += ["compilation_cache_dir=null"]  # the test session's cache: each restart loads its programs
+    env = {k: v for k, v in os.environ.items() if devices is None or k != "XLA_FLAGS"}
+    log = output_dir.parent / f"output-{time.time_ns()}.log"  # a file: a pipe nobody reads fills up and blocks
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     process.started = time.time()  # type: ignore[attr-defined]
+    process.log = log  # type: ignore[attr-defined]
     return process
+
+
+def _output(process: subprocess.Popen) -> str:
+    return process.log.read_text()[-3000:]  # type: ignore[attr-defined]
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """SIGKILL to the run's every process at once (the launcher's children are in its process group)."""
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _trained(run_dir: Path) -> list[tuple[int, int, str]]:
@@ -70,7 +96,7 @@ def _steps_done(run_dir: Path, since: float = 0.0) -> int:
 def _run_until(process: subprocess.Popen, run_dir: Path, step: int, extra_delay: float) -> None:
     deadline = time.monotonic() + 300
     while _steps_done(run_dir, process.started) < step:  # type: ignore[attr-defined]
-        assert process.poll() is None, process.stdout.read()
+        assert process.poll() is None, _output(process)
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.02)
     time.sleep(extra_delay)  # somewhere inside the next step: generating, training or checkpointing
@@ -79,37 +105,36 @@ def _run_until(process: subprocess.Popen, run_dir: Path, step: int, extra_delay:
 def _uninterrupted_prompts() -> dict[int, str]:
     """Group id -> prompt id of any run of this config: the prompt stream is a function of the seed."""
     cfg = load_experiment(RUN[0], RUN[1:])
-    stream = TaskStream(arithmetic_records(cfg.dataset.arithmetic, PROMPTS, cfg.seed), cfg.seed, epochs=1)
+    records = arithmetic_records(cfg.dataset.arithmetic, PROMPTS, stream_seed(cfg.seed, "tasks"))
+    stream = TaskStream(records, stream_seed(cfg.seed, "shuffle"), epochs=1)
     return {g: stream.task_for(g).id for g in range(len(stream))}
 
 
-def test_killed_and_resumed_system_trains_every_prompt_once_in_the_same_order(tmp_path):
-    cache = tmp_path / "xla-cache"
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_killed_and_resumed_system_trains_every_prompt_once_in_the_same_order(tmp_path, shape):
     run_dir = tmp_path / "b" / "async-arithmetic"
     rng = random.Random(7)
-    process = _train(tmp_path / "b", cache)
-    for low, high in ((3, 4), (6, 8), (10, 11)):  # three SIGKILLs at random points after the first checkpoint
+    process = _start(shape, tmp_path / "b")
+    kills = ((3, 4), (6, 8), (10, 11)) if shape == "one process" else ((3, 5),)
+    for low, high in kills:  # SIGKILLs at random points after the first checkpoint
         _run_until(process, run_dir, rng.randint(low, high), rng.uniform(0.0, 0.5))
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        process = _train(tmp_path / "b", cache, "--resume")
-    _run_until(process, run_dir, 13, 0.0)
+        _kill(process)
+        process = _start(shape, tmp_path / "b", "--resume")
+    _run_until(process, run_dir, 13 if shape == "one process" else 9, 0.0)
     process.send_signal(signal.SIGTERM)  # graceful: a checkpoint, nothing exported, "resumable" exit code
-    out, _ = process.communicate(timeout=120)
-    assert process.returncode == EXIT_RESUMABLE, out
+    assert process.wait(timeout=120) == EXIT_RESUMABLE, _output(process)
     stopped_at = _steps_done(run_dir)
     assert stopped_at < PROMPTS // BATCH and TrainCheckpointer.latest_in(run_dir / "checkpoints") == stopped_at
     assert not (run_dir / "hf_final").exists()
-    process = _train(tmp_path / "b", cache, "--resume")
-    out_resumed, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, out_resumed
+    process = _start(shape, tmp_path / "b", "--resume")
+    assert process.wait(timeout=300) == 0, _output(process)
 
     got = _trained(run_dir)
     assert sorted(g for _, g, _ in got) == list(range(PROMPTS)), "a group was lost or trained twice"
     expected = _uninterrupted_prompts()
     assert sorted(expected.values()) == sorted(f"arith-{i}" for i in range(PROMPTS))
     assert {g: p for _, g, p in got} == expected  # the prompt an uninterrupted run gives each group id
-    metrics = load_metrics(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     steps = [int(m["train/version"]) for m in metrics]
     assert steps == list(range(1, len(steps) + 1)) and steps[-1] == PROMPTS // BATCH  # each step once
     assert all(m["rollout/staleness_max"] <= ETA for m in metrics)

@@ -1,4 +1,4 @@
-"""Rollout log: record format, atomic shard commits, rotation, restarts, concurrent writers, corruption."""
+"""Rollout log: record format, atomic shard commits on flush, restarts, concurrent writers, corruption."""
 
 from __future__ import annotations
 
@@ -13,22 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areal_jax.data.pipeline import PipelineConfig, RolloutLogDataset
-from areal_jax.data.rollout_log import (
-    LOG_FORMAT_VERSION,
-    TMP_PREFIX,
-    RecordFormatError,
-    RolloutLogConfig,
-    RolloutLogWriter,
-    ShardName,
-    decode_record,
-    encode_record,
-    list_shards,
-    read_positions,
-    read_shard,
-)
+from areal_jax.data.pipeline import PipelineConfig
+from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.data.rollout_log_reader import read_positions, read_shard
+from areal_jax.data.rollout_log_records import LOG_FORMAT_VERSION, RecordFormatError, decode_record, encode_record
+from areal_jax.data.rollout_log_shards import TMP_PREFIX, ShardName, list_shards
+from areal_jax.data.rollout_log_tail import RolloutLogDataset
 from areal_jax.data.trajectory import SCHEMA_VERSION
-from tests.rollout_log_worker import make_trajectory
+from tests.rollout_log_worker import append_in_shards, make_trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,21 +62,20 @@ def test_shard_names_parse_and_sort_in_commit_order() -> None:
     assert ShardName.parse("notes.txt") is None
 
 
-def test_rotation_by_count_and_age_and_sequence_numbers(tmp_path: Path) -> None:
-    now = [0.0]
-    writer = RolloutLogWriter(tmp_path, "w0", RolloutLogConfig(max_records=3, max_age_s=5.0), clock=lambda: now[0])
-    seqs = [writer.append(make_trajectory(i)) for i in range(7)]
-    assert seqs == list(range(7))
-    assert [(s.shard_seq, s.first_record, s.num_records) for s in list_shards(tmp_path)] == [(0, 0, 3), (1, 3, 3)]
-    assert writer.buffered == 1
-    assert writer.flush_if_due() is None
-    now[0] = 5.0
-    assert writer.flush_if_due() == ShardName("w0", 2, 6, 1)
-    writer.append(make_trajectory(7))
-    now[0] = 11.0
-    writer.append(make_trajectory(8))  # the oldest buffered record is 6 s old: committed on append
-    assert list_shards(tmp_path)[-1] == ShardName("w0", 3, 7, 2)
-    writer.close()
+def test_commits_on_flush_and_close_and_sequence_numbers(tmp_path: Path) -> None:
+    writer = RolloutLogWriter(tmp_path, "w0")
+    seqs = [writer.append(make_trajectory(i)) for i in range(3)]
+    assert seqs == [0, 1, 2] and writer.buffered == 3 and list_shards(tmp_path) == []  # nothing visible yet
+    assert writer.flush() == ShardName("w0", 0, 0, 3)
+    assert writer.flush() is None  # nothing buffered
+    append_in_shards(writer, (make_trajectory(i) for i in range(3, 9)), 4)
+    assert writer.buffered == 2
+    writer.close()  # commits the rest
+    assert [(s.shard_seq, s.first_record, s.num_records) for s in list_shards(tmp_path)] == [
+        (0, 0, 3),
+        (1, 3, 4),
+        (2, 7, 2),
+    ]
     with pytest.raises(ValueError, match="closed"):
         writer.append(make_trajectory(9))
     assert not [p for p in os.listdir(tmp_path) if p.startswith(TMP_PREFIX)]
@@ -94,14 +85,13 @@ def test_rotation_by_count_and_age_and_sequence_numbers(tmp_path: Path) -> None:
 
 
 def test_restarted_writer_continues_and_cleans_up(tmp_path: Path) -> None:
-    with RolloutLogWriter(tmp_path, "w0", RolloutLogConfig(max_records=2)) as writer:
-        for i in range(5):
-            writer.append(make_trajectory(i))
+    with RolloutLogWriter(tmp_path, "w0") as writer:
+        append_in_shards(writer, (make_trajectory(i) for i in range(5)), 2)
     stale = tmp_path / f"{TMP_PREFIX}w0_00000009_dead.arrayrecord"
     stale.write_bytes(b"half a shard")
     other = tmp_path / f"{TMP_PREFIX}w0-b_00000000_beef.arrayrecord"  # writer "w0-b" may be live
     other.write_bytes(b"another writer's")
-    writer = RolloutLogWriter(tmp_path, "w0", RolloutLogConfig(max_records=2))
+    writer = RolloutLogWriter(tmp_path, "w0")
     assert not stale.exists() and other.exists()
     assert writer.next_record_seq == 5
     writer.append(make_trajectory(5))
@@ -124,9 +114,8 @@ def test_bad_writer_ids_are_refused(tmp_path: Path) -> None:
 
 
 def test_read_positions_returns_records_in_the_asked_order(tmp_path: Path) -> None:
-    with RolloutLogWriter(tmp_path, "w0", RolloutLogConfig(max_records=3)) as writer:
-        for i in range(7):
-            writer.append(make_trajectory(i))
+    with RolloutLogWriter(tmp_path, "w0") as writer:
+        append_in_shards(writer, (make_trajectory(i) for i in range(7)), 3)
     entries = [e for s in list_shards(tmp_path) for e in read_shard(tmp_path, s)[0]]
     wanted = [entries[5].position, entries[0].position, entries[3].position]
     assert [e.seq for e in read_positions(tmp_path, wanted)] == [5, 0, 3]
@@ -139,10 +128,8 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 def test_truncated_and_corrupted_shards_are_reported_and_skipped(tmp_path: Path, caplog) -> None:
-    config = RolloutLogConfig(max_records=10)
-    with RolloutLogWriter(tmp_path, "w0", config) as writer:
-        for i in range(40):
-            writer.append(make_trajectory(i, length=400))  # ~3 KB of incompressible tokens per record
+    with RolloutLogWriter(tmp_path, "w0") as writer:  # ~3 KB of incompressible tokens per record
+        append_in_shards(writer, (make_trajectory(i, length=400) for i in range(40)), 10)
     shards = list_shards(tmp_path)
     assert len(shards) == 4
     truncated, corrupted = tmp_path / shards[1].name, tmp_path / shards[2].name
@@ -158,7 +145,7 @@ def test_truncated_and_corrupted_shards_are_reported_and_skipped(tmp_path: Path,
     assert "hash mismatch" in problems[0].reason
     lost = shards[2].first_record + problems[0].index
 
-    caplog.set_level(logging.WARNING, logger="areal_jax.data.rollout_log")
+    caplog.set_level(logging.WARNING, logger="areal_jax.data.rollout_log_reader")
     config = PipelineConfig(idle_timeout_s=0.3, poll_max_s=0.1)
     iterator = iter(RolloutLogDataset(tmp_path, config))
     seqs = [e.seq for e in iterator]
@@ -206,9 +193,8 @@ def test_two_writer_processes_and_a_tailing_reader(tmp_path: Path) -> None:
 
 
 def test_a_missing_shard_is_waited_for_then_skipped_and_reported(tmp_path: Path, caplog) -> None:
-    with RolloutLogWriter(tmp_path, "w0", RolloutLogConfig(max_records=2)) as writer:
-        for i in range(6):
-            writer.append(make_trajectory(i))
+    with RolloutLogWriter(tmp_path, "w0") as writer:
+        append_in_shards(writer, (make_trajectory(i) for i in range(6)), 2)
     (tmp_path / list_shards(tmp_path)[1].name).unlink()
     config = PipelineConfig(idle_timeout_s=0.6, poll_max_s=0.05, gap_timeout_s=0.2)
     iterator = iter(RolloutLogDataset(tmp_path, config))
@@ -222,5 +208,5 @@ def test_writer_ids_name_their_server_and_never_repeat(tmp_path):
 
     ids = {new_writer_id(3) for _ in range(50)}
     assert len(ids) == 50 and all(i.startswith("rollout3-") and i.endswith(f"-{os.getpid()}") for i in ids)
-    with RolloutLogWriter(tmp_path, next(iter(ids)), RolloutLogConfig()):  # a valid id for the log's names
+    with RolloutLogWriter(tmp_path, next(iter(ids))):  # a valid id for the log's names
         pass

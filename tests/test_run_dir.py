@@ -13,8 +13,8 @@ from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError, to_yaml
 from areal_jax.exit_codes import EXIT_RESUMABLE, EXIT_USER_ERROR
+from areal_jax.jobs import train
 from areal_jax.models.hf_io import model_config_to_hf
-from areal_jax.system import async_rl
 from areal_jax.system.run_dir import (
     MARKER,
     RESUME_MAY_CHANGE,
@@ -261,14 +261,14 @@ def test_internal_errors_keep_their_traceback_and_a_signal_stop_is_resumable(tmp
     def broken(cfg, resume, overwrite):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(async_rl, "run_async", broken)
+    monkeypatch.setattr(train, "run_async", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["train", CONFIG, f"output_dir={tmp_path}", NO_CACHE])
 
     def stopped(cfg, resume, overwrite):
-        return async_rl.RunSummary(0, 3, 0, 0.0, 0.0, 1.0, 0, 0, "metrics.jsonl", None, stopped_by_signal=True)
+        return train.RunSummary(0, 3, 0, 0.0, 0.0, 1.0, 0, 0, "metrics.jsonl", None, stopped_by_signal=True)
 
-    monkeypatch.setattr(async_rl, "run_async", stopped)
+    monkeypatch.setattr(train, "run_async", stopped)
     assert main(["train", CONFIG, f"output_dir={tmp_path}", NO_CACHE]) == EXIT_RESUMABLE == 75
 
 

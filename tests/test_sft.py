@@ -15,6 +15,7 @@ from flax import nnx
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.data.datasets import PromptRecord
+from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import CharTokenizer
@@ -28,7 +29,6 @@ from areal_jax.sft import (
 )
 from areal_jax.system.assembly import build_tokenizer
 from areal_jax.system.run_dir import prepare_run_dir
-from areal_jax.system.starting_policy import load_policy
 
 TINY = ModelConfig(
     family="qwen2",

@@ -1,9 +1,11 @@
-"""`areal_jax.storage` on a local directory and on gs:// (a local GCS server), and the local copy of a gs://
-run's records (`system/run_mirror.py`)."""
+"""`areal_jax.storage` on a local directory, on gs:// (a local GCS server) and on memory://, and the local copy
+of a gs:// run's records (`system/run_mirror.py`)."""
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import gcsfs
@@ -15,12 +17,19 @@ from areal_jax.system.run_mirror import RunMirror, pull_records
 from tests.gcs_emulator import BUCKET, GcsEmulator
 
 
-@pytest.fixture(params=["local", "gs"])
-def root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+@pytest.fixture(params=["local", "gs", "memory"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A directory that does not exist yet: on a disk, on a bucket, or in fsspec's memory filesystem (no
+    branch of `storage` names it: the same fsspec calls serve every kind)."""
     if request.param == "local":
-        return str(tmp_path / "root")
-    request.getfixturevalue("gcs")
-    return f"gs://{BUCKET}/{uuid.uuid4().hex}"
+        yield str(tmp_path / "root")
+    elif request.param == "gs":
+        request.getfixturevalue("gcs")
+        yield f"gs://{BUCKET}/{uuid.uuid4().hex}"
+    else:
+        location = f"memory://{uuid.uuid4().hex}"
+        yield location
+        storage.remove_tree(location)  # the memory filesystem is one store for the whole process
 
 
 def test_the_same_operations_mean_the_same_on_a_disk_and_a_bucket(root: str, tmp_path: Path) -> None:
@@ -54,6 +63,59 @@ def test_the_same_operations_mean_the_same_on_a_disk_and_a_bucket(root: str, tmp
         assert storage.files_below(storage.join(root, "copy")) == ["a.bin", "sub/b.txt"]
         storage.remove_tree(storage.join(root, "copy"))
         assert not storage.exists(storage.join(root, "copy"))
+
+
+def test_edges_mean_the_same_everywhere(root: str, tmp_path: Path) -> None:
+    """What a listing holds, what a missing or mistaken location gives, on every kind of location."""
+    assert storage.names(root) == [] and not storage.is_dir(root) and storage.read_json(storage.join(root, "x")) is None
+    storage.remove_tree(root)  # nothing there: nothing to do
+    assert not storage.remove(storage.join(root, "x"))
+    before_ns = time.time_ns()
+    storage.write_json_atomic(storage.join(root, "a.json"), {"b": 1, "a": 2})
+    storage.write_json_atomic(storage.join(root, "a.json"), {"b": 1, "a": 3})
+    storage.make_dirs(storage.join(root, "empty", "below"))
+    assert storage.read_text(storage.join(root, "a.json")) == '{"a": 3, "b": 1}'
+    assert storage.read_json(storage.join(root, "a.json")) == {"a": 3, "b": 1}
+    assert storage.read_bytes(storage.join(root, "a.json")) == b'{"a": 3, "b": 1}'
+    entries = storage.listing(root)
+    assert sorted(entries) == (["a.json"] if root.startswith("gs://") else ["a.json", "empty"])  # no empty prefix
+    assert storage.names(root) == sorted(entries)  # no temporary file of the atomic writes left behind
+    directory, modified_ns = entries["a.json"]
+    assert not directory and abs(modified_ns - before_ns) < 60e9  # in ns, near now
+    file = storage.join(root, "a.json")
+    assert storage.listing(file) == {} and storage.names(file) == [] and storage.files_below(file) == []
+    assert storage.name_of(file) == "a.json" and storage.parent_of(file) == root
+    elsewhere = tmp_path / "elsewhere.json" if storage.is_remote(root) else "memory://elsewhere.json"
+    with pytest.raises(ValueError, match="different file systems"):
+        storage.move(file, elsewhere)
+    storage.write_atomic(storage.join(root, "d", "e", "f.txt"), b"\xff")
+    assert storage.files_below(root) == ["a.json", "d/e/f.txt"]
+    storage.move(storage.join(root, "d", "e", "f.txt"), file)  # replaces the target
+    assert storage.read_bytes(file) == b"\xff" and not storage.exists(storage.join(root, "d", "e", "f.txt"))
+    storage.remove_tree(root)
+    assert not storage.exists(root) and storage.listing(root) == {}
+
+
+def test_a_local_link_to_a_directory_is_listed_as_one(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "a.txt").write_text("a")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "linked").symlink_to(tmp_path / "real")
+    assert storage.listing(tmp_path / "root")["linked"][0] and storage.is_dir(tmp_path / "root" / "linked")
+    assert storage.files_below(tmp_path / "root") == ["linked/a.txt"]
+
+
+def test_only_a_url_is_remote_and_only_a_remote_location_takes_an_upload(tmp_path: Path) -> None:
+    assert storage.is_remote("gs://b/x") and storage.is_remote("memory://x") and storage.is_remote("s3://b/x")
+    assert not any(map(storage.is_remote, ["runs/x", tmp_path, "file:///tmp/x", "runs/a://b"]))
+    assert storage.join("gs://b", "x", "y.json") == "gs://b/x/y.json" and storage.join(tmp_path, "y") == str(
+        tmp_path / "y"
+    )
+    (tmp_path / "f").write_text("f")
+    with pytest.raises(ValueError, match="remote location"):
+        storage.upload(tmp_path / "f", tmp_path / "g")
+    with pytest.raises(ValueError, match="remote location"):
+        storage.download(tmp_path / "f", tmp_path / "g")
 
 
 def test_a_listing_shows_what_another_process_wrote_after_it_also_through_etils(gcs: GcsEmulator) -> None:

@@ -15,6 +15,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.sharding import MeshConfig, make_mesh
+from areal_jax.trainer import train_step
 from areal_jax.trainer.batching import PackedBatch, build_batch
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
 from areal_jax.trainer.train_step import TrainStep
@@ -75,6 +76,17 @@ def single_step(model_state):
     return TrainStep(graphdef, state, CONFIG, single_device_mesh(), temperature=TEMPERATURE)
 
 
+_accumulate = jax.jit(train_step._gradients_fn, static_argnums=0)
+
+
+def loss_and_gradient(step: TrainStep, params, batch: PackedBatch, logp_prox, version: int = 0, logp_ref=None):
+    """(loss, gradient, statistics) of a mini-batch on the mesh as `step.update` accumulates them before it
+    clips the gradient and applies AdamW: the function its first program runs."""
+    prox = logp_prox if step.needs_prox_pass else None
+    ref = logp_ref if step.uses_reference else None
+    return _accumulate(step.program, params, batch, prox, ref, jnp.int32(version))
+
+
 def _run_update(step: TrainStep, state, batch: PackedBatch, version: int = 0):
     params, opt_state = step.init(state)
     device_batch = step.put_batch(batch)
@@ -120,7 +132,7 @@ def test_loss_and_gradient_do_not_depend_on_microbatching_or_packing(model_state
         params, _ = single_step.init(state)
         device_batch = single_step.put_batch(batch)
         prox = single_step.logprobs(params, device_batch)
-        return single_step.gradients(params, device_batch, prox, 0)
+        return loss_and_gradient(single_step, params, device_batch, prox)
 
     loss_ref, grads_ref, stats_ref = loss_and_grad(batch_one)
     assert float(stats_ref["ppo/n_tokens"]) == sum(t.num_loss_tokens for t in trajectories)

@@ -22,6 +22,7 @@ from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.init import create_decoder
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
+from areal_jax.rollout.weight_versions import apply_version
 from areal_jax.sharding import MeshConfig, make_mesh, split_devices, state_shardings
 from areal_jax.weights import InProcessPublisher, OrbaxWeightPublisher, OrbaxWeightSubscriber, abstract_target
 from tests.conftest import CompileCounter
@@ -30,6 +31,11 @@ from tests.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "weights_worker.py")
+
+
+def _in_process(engine: Engine, generator: Generator, staleness: StalenessManager) -> InProcessPublisher:
+    """The one-process run's publisher, applying each version as its rollout side does (`RolloutSide.apply`)."""
+    return InProcessPublisher(engine, lambda params, v: apply_version(generator, staleness, params, v, interrupt=True))
 
 
 def worker_env(devices: int) -> dict[str, str]:
@@ -246,7 +252,7 @@ def test_in_process_publisher_swaps_weights_then_admits(params_2x4: nnx.State, m
     new = on_mesh(params_2x4, trainer_mesh, offset=1.0)
     expected = flat(new)
     with Generator(engine, engine.load_params(nnx.state(model), 0)) as generator:
-        InProcessPublisher(generator, staleness, interrupt=True)(new, 1)
+        _in_process(engine, generator, staleness).publish(new, 1)
         for leaf in jax.tree.leaves(new):
             leaf.delete()  # what donation to the next train step does
         assert generator_version_at_admission == [1] and staleness.snapshot().version == 1
@@ -270,7 +276,7 @@ def test_in_process_publication_compiles_its_copy_once_across_five_publishes(par
     expected = {v: flat(params) for v, params in versions.items()}
     compiles_after = []
     with Generator(engine, engine.load_params(params_2x4, 0)) as generator:
-        publish = InProcessPublisher(generator, staleness, interrupt=True)
+        publish = _in_process(engine, generator, staleness).publish
         with CompileCounter() as compiles:
             for version, params in versions.items():
                 publish(params, version)

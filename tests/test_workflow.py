@@ -16,21 +16,23 @@ from flax import nnx
 from areal_jax.configuration import ConfigError
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.inference.engine import Engine, EngineConfig
-from areal_jax.inference.generator import GenerationResult, Generator, mix_seed
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.requests import GenerationResult
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.inference.seeds import mix_seed
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import DEFAULT_ALPHABET, CharTokenizer, HFTokenizer
 from areal_jax.rewards.code import CodeRewardConfig, CodeVerifier
 from areal_jax.rewards.math import MathRewardConfig, MathVerifier
-from areal_jax.rewards.synthetic import ArithmeticProblem
+from areal_jax.rewards.synthetic import ArithmeticProblem, arithmetic_reward
 from areal_jax.rollout.environments import (
     CodeFeedbackEnvironment,
     CodeRewardFn,
     EnvStep,
     MathRetryEnvironment,
     MathRewardFn,
+    SyntheticRewardFn,
     arithmetic_prompt_record,
-    arithmetic_reward_fn,
 )
 from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, TurnRenderer, WorkflowConfig
 from tests.engine_fixtures import TINY
@@ -359,7 +361,7 @@ def test_multi_turn_stops_when_the_context_is_full(generator):
 
 
 def test_math_retry_environment_in_the_loop(generator):
-    env = MathRetryEnvironment(arithmetic_reward_fn, retry_message=RETRY)
+    env = MathRetryEnvironment(SyntheticRewardFn(arithmetic_reward), retry_message=RETRY)
     config = WorkflowConfig(n_samples=2, sampling=STOP_QUICKLY, max_turns=2, turn_discount=0.9)
     with MultiTurnWorkflow(config, TOKENIZER, env) as workflow:
         trajectories = asyncio.run(workflow.run(generator, _task("mt-math"), group_id=0))
@@ -377,11 +379,11 @@ def test_math_retry_environment_in_the_loop(generator):
 
 
 def test_math_retry_environment_steps():
-    env = MathRetryEnvironment(arithmetic_reward_fn, retry_message="again")
+    env = MathRetryEnvironment(SyntheticRewardFn(arithmetic_reward), retry_message="again")
     task = arithmetic_prompt_record(ArithmeticProblem(prompt_id=4, question="1+2", answer="3"))
     assert task.id == "arith-4" and task.prompt == "1+2"
-    assert env.step(task, (), " 3") == EnvStep(None, 1.0, True, {"correct": 1.0})
-    assert env.step(task, (), "4") == EnvStep("again", 0.0, False, {"correct": 0.0})
+    assert env.step(task, (), " 3") == EnvStep(None, 1.0, True, {"correct": 1.0, "format": 1.0})
+    assert env.step(task, (), "4") == EnvStep("again", 0.0, False, {"correct": 0.0, "format": 1.0})
 
 
 def test_code_feedback_environment_and_reward(tmp_path):

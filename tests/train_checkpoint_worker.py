@@ -1,7 +1,7 @@
 """A training loop for the SIGTERM test: `python tests/train_checkpoint_worker.py DIR`.
 
 Runs steps (w += 1 on a 2-device mesh) until SIGTERM/SIGINT, printing "step N" after each; then
-`maybe_save` writes the checkpoint, the loop ends and the process prints "saved N" and exits 0.
+the loop's `StopControl` ends it, the checkpoint is written and the process prints "saved N" and exits 0.
 The caller sets XLA_FLAGS (2 devices) and JAX_PLATFORMS.
 """
 
@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from areal_jax.multiprocess import TrainerProcesses
+from areal_jax.system.stop_control import StopControl
 from areal_jax.trainer.checkpoint import CheckpointConfig, TrainCheckpointer
 
 
@@ -21,14 +23,15 @@ def main(directory: str) -> None:
     state = {"w": jax.device_put(jnp.zeros((8, 4), jnp.float32), NamedSharding(mesh, PartitionSpec("fsdp")))}
     step_fn = jax.jit(lambda s: {"w": s["w"] + 1.0}, donate_argnums=0)
     checkpointer = TrainCheckpointer(directory, CheckpointConfig(every_steps=1_000_000))
-    checkpointer.install_signal_handlers()
+    stops = StopControl(TrainerProcesses(), train_steps=1_000_000, max_skipped_steps=1, updates_per_step=1)
     step = 0
-    while True:
-        step += 1
-        state = step_fn(state)
-        print(f"step {step}", flush=True)
-        if checkpointer.maybe_save(step, state, {"policy_version": step}):
-            break
+    with stops.watching_signals():
+        while stops.go_on(step):
+            step += 1
+            state = step_fn(state)
+            print(f"step {step}", flush=True)
+            checkpointer.maybe_save(step, state, {"policy_version": step})
+    checkpointer.save(step, state, {"policy_version": step}, wait=True)
     checkpointer.close()
     print(f"saved {step}", flush=True)
 

@@ -138,14 +138,6 @@ class PackPlan:
         """Token slots in all micro-batches together, padding included."""
         return sum(rows * length for rows, length in self.shapes)
 
-    def locate(self, seq: int, token: int) -> tuple[int, int, int]:
-        """(micro-batch, row, column) of token `token` of sequence `seq`."""
-        if not 0 <= seq < self.num_sequences:
-            raise IndexError(f"sequence {seq} out of range; the plan holds {self.num_sequences}")
-        if not 0 <= token < self.lengths_N[seq]:
-            raise IndexError(f"token {token} out of range for sequence {seq} of length {self.lengths_N[seq]}")
-        return int(self.microbatch_N[seq]), int(self.row_N[seq]), int(self.offset_N[seq] + token)
-
     @functools.cached_property
     def _bases(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum([rows * length for rows, length in self.shapes])])

@@ -124,7 +124,7 @@ def split_heldout(
     """(training, held-out): `count` records drawn with `seed`, both parts in their original order."""
     if count >= len(records):
         raise ValueError(f"dataset.heldout={count} leaves no training prompt out of {len(records)}")
-    chosen = set(np.random.default_rng([seed, 0x4E1D]).permutation(len(records))[:count].tolist())
+    chosen = set(np.random.default_rng(seed).permutation(len(records))[:count].tolist())
     train = [r for i, r in enumerate(records) if i not in chosen]
     heldout = [r for i, r in enumerate(records) if i in chosen]
     return train, heldout

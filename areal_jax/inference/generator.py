@@ -3,15 +3,14 @@ sequence finishes, with interruptible weight updates.
 
 Ownership: one background thread, the loop, owns the engine's decode state and all bookkeeping (the
 prefill queue, the slots, the in-flight requests, pending updates and aborts, the stats); no other
-thread reads or writes them. Callers on any thread (`submit`, `abort`, `update_params`, `pause`,
-`resume`, `close`) or coroutine (`await generate(...)`) only post command objects to the loop's inbox,
-the one locked object they share with it, and hear back through futures. The only other shared value is
-the in-flight count behind `num_in_flight`, a counter under its own lock. `stats`, `params` and
-`version` are written by the loop alone; another thread reading them sees a recent value.
+thread reads or writes them (their records: `requests.py`). Callers on any thread (`submit`, `abort`,
+`update_params`, `close`) or coroutine (`await generate(...)`) only post command objects to the loop's
+inbox (`inbox.py`), the one locked object they share with it, and hear back through futures. The only
+other shared value is the in-flight count behind `num_in_flight`, a counter under its own lock. `stats`,
+`params` and `version` are written by the loop alone; another thread reading them sees a recent value.
 
 The loop blocks on the inbox while it has nothing to do. Each iteration, between two decode steps, it:
-  1. takes every posted command: registers submitted requests, records aborts, queues weight updates,
-     pauses (after handling the step still in flight) or resumes; while paused it does nothing else;
+  1. takes every posted command: registers submitted requests, records aborts, queues weight updates;
   2. finishes aborted requests' samples with reason 'abort';
   3. applies a pending weight update, after handling the step in flight: with `interrupt=True`, every
      in-flight sample drops its slot (its KV cache was made with the old weights) and is queued first
@@ -52,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -64,212 +62,15 @@ from typing import Literal
 import numpy as np
 from flax import nnx
 
-from areal_jax.inference.engine import DecodeState, Engine, PrefixBatch, ResultTokens, VersionedParams, bucket_for
+from areal_jax.inference.engine import DecodeState, Engine, VersionedParams, bucket_for
+from areal_jax.inference.inbox import Abort, Close, Inbox, Submit, Update, resolve
 from areal_jax.inference.paged import PagedSlots
+from areal_jax.inference.requests import DispatchedStep, FinishReason, GenerationResult, PrefillJob, Request, Sample
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.models.tokenizer import IncrementalDecoder
+from areal_jax.inference.seeds import mix_seed, sample_key_words
+from areal_jax.inference.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-def mix_seed(*values: int) -> int:
-    """A well-spread seed in [0, 2**63) from `values` (SplitMix64, on the host). Every derived seed comes
-    from here: a request's when it has none, each sample's PRNG key, a workflow's per-group and per-turn
-    seeds. It fits an int64, so any consumer of `SamplingParams.seed` takes it."""
-    state = 0x9E3779B97F4A7C15
-    for value in values:
-        state = (state ^ (value & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        state ^= state >> 31
-    return state >> 1
-
-
-def _key_words(seed: int, sample_index: int, position: int) -> tuple[int, int]:
-    """The two uint32 words of the PRNG key a sample uses when (re-)inserted after `position` tokens."""
-    mixed = mix_seed(seed, sample_index, position)
-    return mixed >> 32, mixed & 0xFFFFFFFF
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationResult:
-    """One finished sample."""
-
-    request_id: str
-    sample_index: int
-    prompt_ids: tuple[int, ...]
-    output_ids: tuple[int, ...]
-    output_logprobs: tuple[float, ...]
-    output_versions: tuple[int, ...]
-    finish_reason: FinishReason
-    num_interruptions: int
-    timings: dict[str, float]
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    n: int
-    future: concurrent.futures.Future
-    submitted: float
-    samples: list[_Sample] = dataclasses.field(default_factory=list)
-    aborted: bool = False
-
-
-class StopStringMatcher:
-    """Whether a sample's text contains one of its stop strings, fed one token at a time: only the new
-    text and the stop strings' possible overlap with the text before it are searched."""
-
-    def __init__(self, stop_strings: tuple[str, ...], decode: Callable[[Sequence[int]], str]):
-        self._stops = stop_strings
-        self._overlap = max(0, *(len(stop) - 1 for stop in stop_strings))
-        self._decoder = IncrementalDecoder(decode)
-        self._tail = ""
-
-    def push(self, token: int) -> bool:
-        new = self._decoder.push(token)
-        if not new:
-            return False
-        window = self._tail + new
-        self._tail = window[-self._overlap :] if self._overlap else ""
-        return any(stop in window for stop in self._stops)
-
-
-@dataclasses.dataclass(eq=False)
-class _Sample:
-    request: _Request
-    index: int
-    seed_words: tuple[int, int]  # (request seed, sample index): the sample's PRNG stream
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    pending_version: int = -1
-    in_flight: int = 0  # dispatched decode steps whose token is not handled yet
-    stop_strings: StopStringMatcher | None = None
-    slot: int | None = None
-    admitted: int = -1  # admission order (the newest running sample is preempted first)
-    interruptions: int = 0
-    first_token_time: float | None = None
-    result: GenerationResult | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _PrefillJob:
-    """Tokens to prefill and the samples waiting for that prefix (n for a new request, 1 for a resume)."""
-
-    tokens: tuple[int, ...]
-    samples: collections.deque[_Sample]
-    prefix: tuple[PrefixBatch, int] | None = None  # (batched prefill result, this job's row)
-    prefix_version: int = -1
-
-
-@dataclasses.dataclass(eq=False)
-class _Step:
-    """A dispatched decode step: the sample in each slot it decodes, the version of its weights, and its
-    emitted tokens (device arrays on their way to the host)."""
-
-    samples: list[tuple[int, _Sample]]
-    version: int
-    emitted: ResultTokens
-
-
-@dataclasses.dataclass(eq=False)
-class _Submit:
-    request: _Request
-
-
-@dataclasses.dataclass(eq=False)
-class _Abort:
-    request_id: str
-
-
-@dataclasses.dataclass(eq=False)
-class _Update:
-    params: VersionedParams
-    interrupt: bool
-    done: concurrent.futures.Future
-
-
-@dataclasses.dataclass(eq=False)
-class _Pause:
-    idle: threading.Event  # set by the loop once it has stopped between two steps
-
-
-class _Resume:
-    pass
-
-
-class _Close:
-    pass
-
-
-_Command = _Submit | _Abort | _Update | _Pause | _Resume | _Close
-
-
-class _Inbox:
-    """The loop's only link to other threads: any thread posts commands, the loop takes all of them at
-    once. Once shut (closed, or the loop failed) it refuses new commands."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._commands: list[_Command] = []
-        self._shut = False
-        self._error: BaseException | None = None
-
-    def post(self, command: _Command) -> None:
-        """Deliver `command`; raises RuntimeError when the generator is closed or its loop failed."""
-        with self._cond:
-            if self._error is not None:
-                raise RuntimeError("generator loop failed") from self._error
-            if self._shut:
-                raise RuntimeError("generator is closed")
-            self._commands.append(command)
-            self._cond.notify()
-
-    def offer(self, command: _Command) -> bool:
-        """Deliver `command` unless the inbox is shut; True when delivered."""
-        with self._cond:
-            if self._shut:
-                return False
-            self._commands.append(command)
-            self._cond.notify()
-            return True
-
-    def take(self, block: bool) -> list[_Command]:
-        """Every command posted so far, in order; with `block`, waits for at least one."""
-        with self._cond:
-            while block and not self._commands:
-                self._cond.wait()
-            commands, self._commands = self._commands, []
-        return commands
-
-    def close(self) -> None:
-        """Refuse new commands; the loop stops after those already posted."""
-        with self._cond:
-            if not self._shut:
-                self._shut = True
-                self._commands.append(_Close())
-                self._cond.notify()
-
-    def shut(self, error: BaseException | None) -> list[_Command]:
-        """Refuse new commands (naming `error` when the loop failed); returns those never taken."""
-        with self._cond:
-            self._shut = True
-            self._error = self._error or error
-            commands, self._commands = self._commands, []
-        return commands
-
-
-def _resolve(future: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
-    """Answer `future` unless its caller already cancelled it."""
-    with contextlib.suppress(concurrent.futures.InvalidStateError):
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
 
 
 @dataclasses.dataclass
@@ -309,19 +110,18 @@ class Generator:
         self.stats = GeneratorStats()
         self._seed = seed
         self._ids = itertools.count()
-        self._inbox = _Inbox()
+        self._inbox = Inbox()
         self._in_flight = 0  # submitted requests not yet answered, under its own lock
         self._in_flight_lock = threading.Lock()
         # owned by the loop thread
-        self._jobs: collections.deque[_PrefillJob] = collections.deque()
-        self._updates: collections.deque[_Update] = collections.deque()
+        self._jobs: collections.deque[PrefillJob] = collections.deque()
+        self._updates: collections.deque[Update] = collections.deque()
         self._aborts: set[str] = set()
-        self._requests: dict[str, _Request] = {}
-        self._slots: list[_Sample | None] = [None] * engine.max_concurrent_decodes
+        self._requests: dict[str, Request] = {}
+        self._slots: list[Sample | None] = [None] * engine.max_concurrent_decodes
         self._pages: PagedSlots | None = engine.config.page_slots() if engine.config.paged else None
         self._admissions = itertools.count()
-        self._paused = False
-        self._in_flight_step: _Step | None = None
+        self._in_flight_step: DispatchedStep | None = None
         self._decode_state: DecodeState = engine.init_decode_state()
         self._thread = threading.Thread(target=self._run, name="areal-generator", daemon=True)
         self._thread.start()
@@ -339,15 +139,15 @@ class Generator:
         self.engine.pad_tokens(list(prompt))  # validates the length now, at the boundary
         request_id = request_id or f"req-{next(self._ids)}"
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = _Request(request_id, prompt, sampling, n, future, time.perf_counter())
+        request = Request(request_id, prompt, sampling, n, future, time.perf_counter())
         request_seed = sampling.seed if sampling.seed is not None else mix_seed(self._seed, next(self._ids))
-        request.samples = [_Sample(request, i, (request_seed, i)) for i in range(n)]
+        request.samples = [Sample(request, i, (request_seed, i)) for i in range(n)]
         if sampling.stop_strings and self.detokenize is not None:
             for sample in request.samples:
                 sample.stop_strings = StopStringMatcher(sampling.stop_strings, self.detokenize)
         self._count_in_flight(1)
         try:
-            self._inbox.post(_Submit(request))
+            self._inbox.post(Submit(request))
         except RuntimeError:
             self._count_in_flight(-1)
             raise
@@ -367,22 +167,13 @@ class Generator:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its samples finish with reason 'abort' and the tokens generated so far."""
-        self._inbox.offer(_Abort(request_id))
-
-    def pause(self) -> None:
-        """Stop admitting and decoding (in-flight samples keep their slots); returns once the loop is idle."""
-        idle = threading.Event()
-        if self._inbox.offer(_Pause(idle)):
-            idle.wait()
-
-    def resume(self) -> None:
-        self._inbox.offer(_Resume())
+        self._inbox.offer(Abort(request_id))
 
     def update_params(self, state: nnx.State, version: int, interrupt: bool = True) -> concurrent.futures.Future:
         """Swap in new weights between two decode steps; the future resolves once they are in use."""
         params = self.engine.load_params(state, version)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.post(_Update(params, interrupt, done))
+        self._inbox.post(Update(params, interrupt, done))
         return done
 
     @property
@@ -413,10 +204,9 @@ class Generator:
         error: BaseException | None = None
         try:
             while self._take_commands(block=not self._has_work()):
-                if not self._paused:
-                    started = time.perf_counter()
-                    self._iterate()
-                    self.stats.busy_seconds += time.perf_counter() - started
+                started = time.perf_counter()
+                self._iterate()
+                self.stats.busy_seconds += time.perf_counter() - started
         except BaseException as err:  # surface loop failures to every waiter
             logger.exception("generator loop failed")
             error = err
@@ -427,25 +217,18 @@ class Generator:
         """Handle every posted command (waiting for one when `block`); False once the generator is closed."""
         for command in self._inbox.take(block):
             match command:
-                case _Submit(request):
+                case Submit(request):
                     self._register(request)
-                case _Abort(request_id):
+                case Abort(request_id):
                     self._aborts.add(request_id)
-                case _Update():
+                case Update():
                     self._updates.append(command)
-                case _Pause(idle):
-                    self._drain()
-                    self._paused = True
-                    idle.set()  # every dispatched step is handled and no other starts until resume
-                case _Resume():
-                    self._paused = False
-                case _Close():
+                case Close():
                     return False
         return True
 
     def _has_work(self) -> bool:
-        busy = self._jobs or self._updates or self._aborts or self._has_active() or self._in_flight_step
-        return not self._paused and bool(busy)
+        return bool(self._jobs or self._updates or self._aborts or self._has_active() or self._in_flight_step)
 
     def _has_active(self) -> bool:
         return any(s is not None for s in self._slots)
@@ -472,13 +255,13 @@ class Generator:
         if step is not None:
             self._handle(step)
 
-    def _register(self, request: _Request) -> None:
+    def _register(self, request: Request) -> None:
         if request.request_id in self._requests:
             self._count_in_flight(-1)
-            _resolve(request.future, error=ValueError(f"request id {request.request_id!r} is already in flight"))
+            resolve(request.future, error=ValueError(f"request id {request.request_id!r} is already in flight"))
             return
         self._requests[request.request_id] = request
-        self._jobs.append(_PrefillJob(request.prompt_ids, collections.deque(request.samples)))
+        self._jobs.append(PrefillJob(request.prompt_ids, collections.deque(request.samples)))
 
     def _shut_down(self, error: BaseException | None) -> None:
         """Refuse further commands and answer everyone still waiting: with `error` when the loop failed."""
@@ -486,20 +269,18 @@ class Generator:
         requests, updates = list(self._requests.values()), list(self._updates)
         for command in self._inbox.shut(error):
             match command:
-                case _Submit(request):
+                case Submit(request):
                     requests.append(request)
-                case _Update():
+                case Update():
                     updates.append(command)
-                case _Pause(idle):
-                    idle.set()
         for request in requests:
-            _resolve(request.future, error=failure)
+            resolve(request.future, error=failure)
         for update in updates:
-            _resolve(update.done, error=failure)
+            resolve(update.done, error=failure)
         self._requests.clear()
         self._count_in_flight(-len(requests))
 
-    def _apply_update(self, update: _Update) -> None:
+    def _apply_update(self, update: Update) -> None:
         """Swap in `update`'s weights (every dispatched step handled): in-flight samples are re-prefilled."""
         for slot, sample in enumerate(self._slots):
             if sample is None:
@@ -511,7 +292,7 @@ class Generator:
             job.prefix = None  # prefixes made with the old weights
         self.params = update.params
         self.stats.updates += 1
-        _resolve(update.done, update.params.version)
+        resolve(update.done, update.params.version)
         logger.debug("weights v%d in use (interrupt=%s)", update.params.version, update.interrupt)
 
     def _apply_aborts(self, request_ids: set[str]) -> None:
@@ -542,7 +323,7 @@ class Generator:
         sample = self._slots[slot]
         self._free_slot(slot)
         self._jobs.appendleft(
-            _PrefillJob(sample.request.prompt_ids + tuple(sample.output_ids), collections.deque([sample]))
+            PrefillJob(sample.request.prompt_ids + tuple(sample.output_ids), collections.deque([sample]))
         )
 
     def _admit(self) -> None:
@@ -552,7 +333,7 @@ class Generator:
         if self.admission == "static" and self._has_active():
             return
         free = [slot for slot, s in enumerate(self._slots) if s is None]
-        placed: list[tuple[_PrefillJob, _Sample, int]] = []
+        placed: list[tuple[PrefillJob, Sample, int]] = []
         free_pages = self._pages.allocator.num_free if self._pages is not None else 0
         out_of_pages = False
         for job in self._jobs:
@@ -570,13 +351,13 @@ class Generator:
         if not placed:
             return
         self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], self._jobs)
-        by_prefix: dict[int, list[tuple[_PrefillJob, _Sample, int]]] = collections.defaultdict(list)
+        by_prefix: dict[int, list[tuple[PrefillJob, Sample, int]]] = collections.defaultdict(list)
         for entry in placed:
             by_prefix[id(entry[0].prefix[0])].append(entry)
         for entries in by_prefix.values():
             batch = entries[0][0].prefix[0]
             # round r inserts the r-th sample of every prompt in the batch: one call per round
-            per_row: dict[int, list[tuple[_PrefillJob, _Sample, int]]] = collections.defaultdict(list)
+            per_row: dict[int, list[tuple[PrefillJob, Sample, int]]] = collections.defaultdict(list)
             for entry in entries:
                 per_row[entry[0].prefix[1]].append(entry)
             for round_index in range(max(len(v) for v in per_row.values())):
@@ -589,7 +370,7 @@ class Generator:
                 for row, (job, sample, slot) in chosen.items():
                     slots[row] = slot
                     samplings[row] = sample.request.sampling
-                    key_data[row] = _key_words(*sample.seed_words, len(sample.output_ids))
+                    key_data[row] = sample_key_words(*sample.seed_words, len(sample.output_ids))
                     if self._pages is not None:
                         pages[row] = self._pages.assign(slot, len(job.tokens) + 1)
                 if self._pages is None:
@@ -606,13 +387,13 @@ class Generator:
                 self._slots[slot] = sample
         self._jobs = collections.deque(job for job in self._jobs if job.samples)
 
-    def _prefill_jobs(self, jobs: list[_PrefillJob], queue: Sequence[_PrefillJob]) -> None:
+    def _prefill_jobs(self, jobs: list[PrefillJob], queue: Sequence[PrefillJob]) -> None:
         """Prefill `jobs` in batches of one length bucket; each job keeps (its batch, its row). A call's
         spare rows go to queued jobs of the same bucket that will need a prefix later (prefill-ahead): one
         batched call costs little more than a single prompt, and their admission is then an insert."""
         wanted = set(map(id, jobs))
-        by_bucket: dict[int, list[_PrefillJob]] = collections.defaultdict(list)
-        ahead: dict[int, list[_PrefillJob]] = collections.defaultdict(list)
+        by_bucket: dict[int, list[PrefillJob]] = collections.defaultdict(list)
+        ahead: dict[int, list[PrefillJob]] = collections.defaultdict(list)
         for job in jobs:
             by_bucket[bucket_for(len(job.tokens), self.engine.buckets)].append(job)
         rows = self.engine.prefill_rows
@@ -637,7 +418,7 @@ class Generator:
                 self.stats.prefills += len(chunk)
                 self.stats.prefill_calls += 1
 
-    def _position(self, sample: _Sample) -> int:
+    def _position(self, sample: Sample) -> int:
         """Where the sample's pending token is written by the next step dispatched."""
         return len(sample.request.prompt_ids) + len(sample.output_ids) + sample.in_flight
 
@@ -659,7 +440,7 @@ class Generator:
             logger.debug("KV pages exhausted: %s sample %d back to the queue", newest.request.request_id, newest.index)
             self._requeue(newest.slot)
 
-    def _dispatch(self) -> _Step | None:
+    def _dispatch(self) -> DispatchedStep | None:
         """Start one decode step over all slots and the copy of its tokens to the host; a sample whose
         last token is in this step gives up its slot now. None when no sample is left to decode (all
         preempted or stopped while making room for pages)."""
@@ -689,9 +470,9 @@ class Generator:
             sampling = sample.request.sampling
             if emitted_count >= sampling.max_new_tokens or self._position(sample) >= self.engine.config.max_length:
                 self._free_slot(slot)
-        return _Step(active, self.params.version, emitted)
+        return DispatchedStep(active, self.params.version, emitted)
 
-    def _handle(self, step: _Step) -> None:
+    def _handle(self, step: DispatchedStep) -> None:
         """Give each token of `step` to the sample that held its slot at dispatch (unless that sample has
         finished since) and check its stop conditions."""
         tokens, logprobs = np.asarray(step.emitted.tokens), np.asarray(step.emitted.logprobs)
@@ -712,7 +493,7 @@ class Generator:
             if reason is not None:
                 self._finish(sample, reason)
 
-    def _stop_reason(self, sample: _Sample) -> FinishReason | None:
+    def _stop_reason(self, sample: Sample) -> FinishReason | None:
         sampling = sample.request.sampling
         if sample.output_ids[-1] in sampling.stop_token_ids:
             return "stop"
@@ -724,7 +505,7 @@ class Generator:
             return "length"
         return None
 
-    def _finish(self, sample: _Sample, reason: FinishReason) -> None:
+    def _finish(self, sample: Sample, reason: FinishReason) -> None:
         if sample.slot is not None:
             self._free_slot(sample.slot)
         request = sample.request
@@ -746,4 +527,4 @@ class Generator:
         if all(s.result is not None for s in request.samples):
             del self._requests[request.request_id]
             self._count_in_flight(-1)
-            _resolve(request.future, [s.result for s in request.samples])
+            resolve(request.future, [s.result for s in request.samples])

@@ -21,7 +21,6 @@ Everything comes from files every run writes into its directory:
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +30,7 @@ import numpy as np
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import to_dict
+from areal_jax.jsonl import parse_jsonl
 from areal_jax.system import resources
 from areal_jax.system.reporting import BATCH_WAIT, EMITTED, METRICS_FILE, WALL
 from areal_jax.system.run_dir import CONFIG_FILE
@@ -162,7 +162,7 @@ def _steady_lines(run_dir: str | Path, skip: int | None) -> list[dict[str, float
         text = storage.read_text(path)
     except FileNotFoundError:
         raise CalibrationError(f"{run_dir} has no {METRICS_FILE}: the run trained no step") from None
-    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    lines = parse_jsonl(text)
     skip = max(2, len(lines) // 4) if skip is None else skip
     if len(lines) < skip + 3:
         raise CalibrationError(

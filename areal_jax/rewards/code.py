@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from areal_jax.configuration import Config, ConfigError, option
-from areal_jax.rewards.sandbox import RESULT_MARK, Sandbox, SandboxLimits, SandboxResult
+from areal_jax.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult
+from areal_jax.rewards.sandbox_launcher import RESULT_MARK
 
 Verdict = Literal["passed", "wrong_answer", "runtime_error", "timeout", "memory_limit", "output_limit", "sandbox_error"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from areal_jax.configuration import Config, ConfigError, option
 
@@ -21,11 +21,12 @@ _INTEGER = re.compile(r"-?[0-9]+")
 class ArithmeticTaskConfig(Config):
     """Which problems the synthetic task draws."""
 
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {"format_bonus": "it was read nowhere; reward.format_bonus is the setting"}
+
     min_operand: int = option(0, ge=0, doc="smallest operand")
     max_operand: int = option(9, ge=0, doc="largest operand")
     operators: str = option("+-", doc="operators to draw from, a subset of '+-*'")
     num_terms: int = option(2, ge=2, le=4, doc="operands per problem")
-    format_bonus: float = option(0.0, ge=0, lt=1, doc="reward for a wrong answer that is still an integer")
 
     def validate(self) -> None:
         if self.max_operand < self.min_operand:

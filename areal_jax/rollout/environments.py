@@ -2,7 +2,7 @@
 
 A reward function is `reward_fn(completion_text, task) -> (reward, components)`; it may be slow and
 synchronous (workflows call it on an executor, never on the generator's thread or the event loop).
-Adapters give that shape to the embedded arithmetic task, `MathVerifier` and `CodeVerifier`.
+Adapters give that shape to the embedded tasks' checks, `MathVerifier` and `CodeVerifier`.
 
 An `Environment` answers each model turn of a multi-turn episode with an `EnvStep`: the text of the next
 user turn (None ends the episode), the episode's reward if it ended now, and whether it is done.
@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_jax.data.datasets import PromptRecord
-from areal_jax.rewards.synthetic import ArithmeticProblem, arithmetic_reward
+from areal_jax.rewards.synthetic import ArithmeticProblem
 
 if TYPE_CHECKING:
     from areal_jax.rewards.code import CodeResult, CodeVerifier
@@ -47,28 +47,26 @@ def arithmetic_prompt_record(problem: ArithmeticProblem) -> PromptRecord:
 def _answer_of(task: Any) -> str:
     answer = getattr(task, "answer", None)
     if not isinstance(answer, str):
-        raise ValueError(f"task {getattr(task, 'id', task)!r} has answer {answer!r}; a math reward needs a string")
+        raise ValueError(f"task {getattr(task, 'id', task)!r} has answer {answer!r}; this reward needs a string")
     return answer
 
 
-def arithmetic_reward_fn(completion: str, task: Any) -> tuple[float, dict[str, float]]:
-    """The arithmetic task's reward: 1 when the completion is exactly `task.answer`; component `correct`."""
-    reward = arithmetic_reward(completion, _answer_of(task))
-    return reward, {"correct": reward}
-
-
 @dataclasses.dataclass(frozen=True)
-class ArithmeticRewardFn:
-    """The arithmetic reward with a format bonus for integer answers; components `correct` and `format`."""
+class SyntheticRewardFn:
+    """An embedded task's check (`rewards.synthetic.arithmetic_reward` or `chain_sum_reward`:
+    `check(completion, answer, format_bonus)` is 1 when right, `format_bonus` when wrong but well formed, 0
+    otherwise) as a reward function: the reward is the check with `format_bonus`; components `correct` (the
+    check without a bonus) and `format` (1 when well formed)."""
 
+    check: Callable[[str, str, float], float]
     format_bonus: float = 0.0
 
     def __call__(self, completion: str, task: Any) -> tuple[float, dict[str, float]]:
         answer = _answer_of(task)
-        correct = arithmetic_reward(completion, answer)
-        shaped = arithmetic_reward(completion, answer, self.format_bonus)
-        well_formed = arithmetic_reward(completion, answer, format_bonus=1.0)  # 1 for any integer answer
-        return shaped, {"correct": correct, "format": well_formed}
+        return self.check(completion, answer, self.format_bonus), {
+            "correct": self.check(completion, answer, 0.0),
+            "format": self.check(completion, answer, 1.0),
+        }
 
 
 class MathRewardFn:

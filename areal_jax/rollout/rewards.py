@@ -16,21 +16,20 @@ import dataclasses
 import importlib
 import re
 from collections.abc import Callable
-from typing import Any
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.rewards.code import CodeRewardConfig
 from areal_jax.rewards.math import MathRewardConfig
-from areal_jax.rewards.synthetic import chain_sum_reward
+from areal_jax.rewards.synthetic import arithmetic_reward, chain_sum_reward
 from areal_jax.rollout.environments import (
     DEFAULT_RETRY_MESSAGE,
-    ArithmeticRewardFn,
     CodeFeedbackEnvironment,
     CodeRewardFn,
     Environment,
     MathRetryEnvironment,
     MathRewardFn,
     RewardFn,
+    SyntheticRewardFn,
 )
 
 BUILTIN_REWARDS = ("arithmetic", "chain_sums", "math", "code")
@@ -72,23 +71,6 @@ class RewardConfig(Config):
         return {"code": "tests", "math": "answer", "arithmetic": "answer", "chain_sums": "answer"}.get(self.kind, "")
 
 
-@dataclasses.dataclass(frozen=True)
-class ChainSumRewardFn:
-    """The running-sums reward: 1 for the exact worked chain, `format_bonus` for a wrong chain of the right
-    length; components `correct` (the exact chain) and `format` (a chain of the right length)."""
-
-    format_bonus: float = 0.0
-
-    def __call__(self, completion: str, task: Any) -> tuple[float, dict[str, float]]:
-        answer = task.answer
-        if not isinstance(answer, str):
-            raise ValueError(f"task {getattr(task, 'id', task)!r} has answer {answer!r}; chain_sums needs a string")
-        return chain_sum_reward(completion, answer, self.format_bonus), {
-            "correct": chain_sum_reward(completion, answer),
-            "format": chain_sum_reward(completion, answer, format_bonus=1.0),
-        }
-
-
 def import_reward_function(spec: str) -> RewardFn:
     """The callable named by 'package.module:function', with an error naming what is missing."""
     module_name, _, attribute = spec.partition(":")
@@ -112,9 +94,9 @@ class Reward:
         self.fn: RewardFn
         self._code_verifier = None
         if config.kind == "arithmetic":
-            self.fn = ArithmeticRewardFn(config.format_bonus)
+            self.fn = SyntheticRewardFn(arithmetic_reward, config.format_bonus)
         elif config.kind == "chain_sums":
-            self.fn = ChainSumRewardFn(config.format_bonus)
+            self.fn = SyntheticRewardFn(chain_sum_reward, config.format_bonus)
         elif config.kind == "math":
             from areal_jax.rewards.math import MathVerifier
 

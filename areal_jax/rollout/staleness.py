@@ -68,21 +68,9 @@ class StalenessManager:
         by_staleness -= self._accepted + self._running
         return max(0, min(by_staleness, cfg.max_concurrent - self._running))
 
-    def capacity(self) -> int:
-        """How many more prompts may start now."""
-        with self._cond:
-            return self._capacity_locked()
-
-    def try_admit(self) -> bool:
-        """Start one prompt if allowed; True when admitted (the caller must later `finish` it)."""
-        with self._cond:
-            if self._capacity_locked() < 1:
-                return False
-            self._running += 1
-            return True
-
     def wait_for_capacity(self, timeout: float | None = None) -> bool:
-        """Block until a prompt may be admitted (then admit it) or the manager is closed / times out."""
+        """Block until a prompt may be admitted (then admit it; True) or the manager is closed / times out
+        (False); `timeout=0` admits only if it may now."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._closed or self._capacity_locked() >= 1, timeout):
                 return False

@@ -36,8 +36,10 @@ import numpy as np
 
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.inference.generator import GenerationResult, Generator, mix_seed
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.requests import GenerationResult
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.inference.seeds import mix_seed
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.rollout.environments import Environment, EnvStep, Message, RewardFn
 
@@ -356,7 +358,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
     ) -> Trajectory:
         cfg = self.config
         index = result.sample_index
-        max_length = generator.engine.config.max_length
+        engine_config = generator.engine.config
         tokens = _Tokens()
         tokens.add_context(prompt_ids)
         history: list[Message] = self.first_messages(task)
@@ -375,7 +377,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             reply_ids: list[int] = []
             if end is None:
                 reply_ids = self.renderer.reply_ids(step.reply or "", result.output_ids)
-                if tokens.length + len(reply_ids) >= max_length:
+                if not engine_config.fits_prompt(tokens.length + len(reply_ids)):
                     end = "context_full"
             if end is not None:
                 break

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.data.datasets import MalformedRowError, PromptRecord
-from areal_jax.data.tasks import drop_long_prompts, load_task_records, split_heldout
+from areal_jax.data.tasks import TaskStream, drop_long_prompts, load_task_records, split_heldout
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import model_config_from_hf, save_hf_checkpoint
@@ -27,6 +27,7 @@ from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import CHAR_SPEC, Tokenizer, load_tokenizer
 from areal_jax.rollout.rewards import Reward, RewardConfig
 from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow, WorkflowConfig
+from areal_jax.seeds import stream_seed
 from areal_jax.sharding import make_mesh, split_devices
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
 def abstract_policy(cfg: ExperimentConfig, tokenizer: Tokenizer) -> Decoder:
     """The policy with abstract arrays: the shape of what a rollout server loads from the weight store."""
     config = policy_config(cfg, tokenizer)
-    return nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(cfg.seed)))
+    return nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(stream_seed(cfg.seed, "init"))))
 
 
 def _hf_config(source: str) -> dict[str, Any]:
@@ -128,9 +129,10 @@ def _hf_config(source: str) -> dict[str, Any]:
 
 
 def random_policy(cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer) -> Decoder:
-    """A random init of `cfg.model` with `cfg.seed` on `mesh`, its padded vocabulary masked to the tokenizer's."""
+    """A random init of `cfg.model` (the run's `init` seed) on `mesh`, its padded vocabulary masked to the
+    tokenizer's."""
     limit = _vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size")
-    return create_decoder(cfg.model.replace(vocab_limit=limit), cfg.seed, mesh)
+    return create_decoder(cfg.model.replace(vocab_limit=limit), stream_seed(cfg.seed, "init"), mesh)
 
 
 def export_policy(cfg: ExperimentConfig, model: Decoder, directory: str | Path) -> Path:
@@ -161,10 +163,10 @@ def check_reward_fields(records: list[PromptRecord], reward: RewardConfig) -> No
 
 def build_prompts(cfg: ExperimentConfig, workflow: RolloutWorkflow) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(training prompts, held-out prompts): the configured records that the reward can score and whose
-    rendered prompt fits `dataset.max_prompt_tokens`, split with the run seed."""
+    rendered prompt fits `dataset.max_prompt_tokens`, split with the run's `heldout` seed."""
     data = cfg.dataset
     try:
-        records = load_task_records(data, cfg.seed)
+        records = load_task_records(data, stream_seed(cfg.seed, "tasks"))
     except MalformedRowError:
         raise  # names its file and line already
     except ValueError as err:
@@ -177,6 +179,11 @@ def build_prompts(cfg: ExperimentConfig, workflow: RolloutWorkflow) -> tuple[lis
     if not data.heldout:
         return records, []
     try:
-        return split_heldout(records, data.heldout, cfg.seed)
+        return split_heldout(records, data.heldout, stream_seed(cfg.seed, "heldout"))
     except ValueError as err:
         raise ConfigError("dataset.heldout", str(err)) from None
+
+
+def build_task_stream(cfg: ExperimentConfig, train_prompts: list[PromptRecord]) -> TaskStream:
+    """The training stream: group g is prompt g of the shuffled (the run's `shuffle` seed), repeated prompts."""
+    return TaskStream(train_prompts, stream_seed(cfg.seed, "shuffle"), cfg.dataset.shuffle, cfg.dataset.epochs)

@@ -23,7 +23,7 @@ from typing import Any
 from areal_jax import storage
 from areal_jax.run_layout import CONTROL_DIR, WEIGHTS_DIR  # noqa: F401  (the roles' files)
 from areal_jax.storage import read_json, write_json_atomic
-from areal_jax.system.config import DistributedConfig
+from areal_jax.system_config import DistributedConfig
 
 
 def initialize_distributed(config: DistributedConfig) -> None:

@@ -38,7 +38,6 @@ import msgpack
 import numpy as np
 from flax import nnx
 
-from areal_jax.configuration import ConfigError
 from areal_jax.inference.engine import (
     DecodeState,
     Engine,
@@ -61,12 +60,6 @@ class MirroredEngine:
     """Process 0's `Engine`: the calls the generator makes, each mirrored on every other process."""
 
     def __init__(self, engine: Engine, sender: CommandSender):
-        if engine.config.paged:
-            raise ConfigError(
-                "rollout.engine.kv_cache",
-                "is 'paged', but a rollout server over several processes mirrors the dense cache's engine calls "
-                "only; use 'dense' with distributed.enabled",
-            )
         self.engine = engine
         self._sender = sender
         self._lock = threading.Lock()
@@ -134,6 +127,7 @@ class MirroredEngine:
         slots: Sequence[int | None],
         samplings: Sequence[SamplingParams],
         key_data: np.ndarray,
+        pages: Sequence[Sequence[int]] | None = None,
     ) -> DecodeState:
         key_data = np.asarray(key_data, np.uint32)
         with self._lock:
@@ -145,21 +139,28 @@ class MirroredEngine:
                 [[s.temperature, s.top_k, s.top_p] for s in samplings],
                 list(key_data.shape),
                 key_data.tobytes(),
+                None if pages is None else [[int(page) for page in row] for row in pages],
             )
-            result = self.engine.insert_batch(prefixes, decode_state, slots, samplings, key_data)
+            result = self.engine.insert_batch(prefixes, decode_state, slots, samplings, key_data, pages)
             return self._register(self._done(result), handle)
 
     def generate(
-        self, params: VersionedParams, decode_state: DecodeState, max_position: int | None = None
+        self,
+        params: VersionedParams,
+        decode_state: DecodeState,
+        max_position: int | None = None,
+        page_updates: np.ndarray | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
+        updates = None if page_updates is None else np.ascontiguousarray(page_updates, np.int32)
+        wire = None if updates is None else [list(updates.shape), updates.tobytes()]
         with self._lock:
-            handle = self._send("generate", self._handle(params), self._handle(decode_state), max_position)
-            new_state, emitted = self._done(self.engine.generate(params, decode_state, max_position))
+            handle = self._send("generate", self._handle(params), self._handle(decode_state), max_position, wire)
+            new_state, emitted = self._done(self.engine.generate(params, decode_state, max_position, updates))
             return self._register(new_state, handle), emitted
 
     def warmup(self, params: VersionedParams) -> None:
         """`Engine.warmup` (the generator's programs), each call mirrored."""
-        warm_up(self, params)  # type: ignore[arg-type]
+        warm_up(self, params)
 
     def stop(self, reason: str) -> None:
         """End every follower (the last command) and close the channel."""
@@ -271,15 +272,16 @@ def follow(
                     params, prompts = args
                     objects[handle] = engine.prefill_batch(objects[params], prompts)
                 case "insert":
-                    prefixes, state, slots, samplings, shape, key_bytes = args
+                    prefixes, state, slots, samplings, shape, key_bytes, pages = args
                     key_data = np.frombuffer(key_bytes, np.uint32).reshape(shape)
                     settings = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in samplings]
                     objects[handle] = engine.insert_batch(
-                        objects[prefixes], objects.pop(state), slots, settings, key_data
+                        objects[prefixes], objects.pop(state), slots, settings, key_data, pages
                     )
                 case "generate":
-                    params, state, max_position = args
-                    objects[handle], _ = engine.generate(objects[params], objects.pop(state), max_position)
+                    params, state, max_position, wire = args
+                    updates = None if wire is None else np.frombuffer(wire[1], np.int32).reshape(wire[0])
+                    objects[handle], _ = engine.generate(objects[params], objects.pop(state), max_position, updates)
                 case "stop":
                     return args[0]
                 case _:

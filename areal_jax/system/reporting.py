@@ -52,8 +52,9 @@ from rich.table import Table
 from rich.text import Text
 
 from areal_jax.configuration import ConfigError
+from areal_jax.jsonl import keep_upto
 from areal_jax.run_layout import LOG_FILE, METRICS_FILE, PLOTS_DIR, REPORT_OUTPUTS, TENSORBOARD_DIR, WANDB_DIR
-from areal_jax.system.config import ReportConfig
+from areal_jax.system_config import ReportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -342,14 +343,7 @@ def _start_wandb(wandb: Any, project: str, run_dir: Path, name: str | None, hpar
 
 def _keep_steps_upto(path: Path, step: int) -> History:
     """The lines of metrics.jsonl up to `step`, as (step, stats); later ones are removed from the file."""
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [(int(stats.get(STEP_KEY, i + 1)), stats) for i, stats in enumerate(lines)]
-    kept = [(s, stats) for s, stats in kept if s <= step]
-    if len(kept) != len(lines):
-        path.write_text("".join(json.dumps(stats) + "\n" for _, stats in kept), encoding="utf-8")
-    return kept
+    return [(int(stats.get(STEP_KEY, line)), stats) for line, stats in enumerate(keep_upto(path, step, STEP_KEY), 1)]
 
 
 def _last_value(history: History, key: str) -> float | None:

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 from jax.experimental import multihost_utils
 
-from areal_jax.data.rollout_log import decode_record, encode_record
+from areal_jax.data.rollout_log_records import decode_record, encode_record
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.multiprocess import ProcessZeroFailed, TrainerProcesses
 

@@ -1,16 +1,16 @@
-"""Training checkpoints: the trainer's arrays plus JSON metadata, with Orbax, every N steps and on a signal.
+"""Training checkpoints: the trainer's arrays plus JSON metadata, with Orbax, every N steps and when asked.
 
 A checkpoint is one Orbax step directory with two items: `state`, any pytree of arrays the trainer passes
-(params and optimizer state), written with `StandardSave`; and `metadata`, a JSON object (policy version,
-RNG key data via `rng_to_json`, the data pipeline's `get_state()`, staleness counters, ...), to which the
-step is added. Saves are asynchronous and atomic (Orbax writes a temporary directory and renames it).
+(params and optimizer state), written with `StandardSave`; and `metadata`, the JSON object the caller
+passes (a training run's `RunState`: its policy version, the data pipeline's `get_state()` and the groups
+consumed; no RNG key), to which the step is added. Saves
+are asynchronous and atomic (Orbax writes a temporary directory and renames it).
 
-Signals. `install_signal_handlers()` makes SIGTERM/SIGINT only set a flag (a second one acts as before
-the handler was installed). The training loop calls `maybe_save(step, state, metadata)` after each step;
-it saves when `step` is a multiple of `every_steps`, or, when the flag is set, saves synchronously and
-returns True, and the loop then exits cleanly; in a multi-process job the flag of any process counts for
-all (every process must take part in the save). `restore(target)` places the arrays as the caller's target
-says (abstract arrays with the current mesh's shardings), whatever mesh shape they were saved from.
+Saving. The training loop calls `maybe_save(step, state, metadata)` after each step (it saves when `step`
+is a multiple of `every_steps`) and `save(..., wait=True)` for its last step or on a stop request (the loop's
+`StopControl` owns signals); in a multi-process job every process takes part in each save. `restore(target)`
+places the arrays as the caller's target says (abstract arrays with the current mesh's shardings), whatever
+mesh shape they were saved from.
 
 Verification. Orbax 0.12.8 does not check what it reads back: its only checksum is the crc32c of the zarr3
 shard index, not of the data, so a checkpoint with a few KB overwritten restores silently (NaN from the next
@@ -34,13 +34,10 @@ import functools
 import json
 import logging
 import os
-import signal
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import FrameType
 from typing import Any
 
 import jax
@@ -101,21 +98,6 @@ class RestoredCheckpoint:
     metadata: dict[str, Any]
     verified: bool = True
     rejected: tuple[tuple[int, str], ...] = ()
-
-
-def rng_to_json(key: jax.Array) -> dict[str, Any]:
-    """A JSON-ready record of a PRNG key (typed `jax.random.key` or raw uint32 `PRNGKey`)."""
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return {"impl": str(jax.random.key_impl(key)), "data": np.asarray(jax.random.key_data(key)).tolist()}
-    return {"impl": None, "data": np.asarray(key).tolist()}
-
-
-def rng_from_json(record: Mapping[str, Any]) -> jax.Array:
-    """The key `rng_to_json` recorded."""
-    data = np.asarray(record["data"], dtype=np.uint32)
-    if record["impl"] is None:
-        return jax.numpy.asarray(data)
-    return jax.random.wrap_key_data(data, impl=record["impl"])
 
 
 def nonfinite_leaves(tree: Any) -> list[str]:
@@ -239,44 +221,8 @@ class TrainCheckpointer:
         self._manager = ocp.CheckpointManager(
             checkpoint_location(directory), item_names=(self.STATE, self.METADATA), options=options
         )
-        self._stop = threading.Event()
-        self._signal: int | None = None
-        self._previous: dict[int, Any] = {}
         self._manifests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal-ckpt-manifest")
         self._manifest_job: tuple[int, Future[int]] | None = None
-
-    # -- signals -------------------------------------------------------------------------------
-
-    def install_signal_handlers(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
-        """Make the given signals request a final save instead of ending the process (main thread only)."""
-        for signum in signals:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
-
-    def uninstall_signal_handlers(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._signal = signum
-        self._stop.set()
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-
-    def request_stop(self) -> None:
-        """Ask the loop to save and stop, as a signal would."""
-        self._stop.set()
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop.is_set()
-
-    def _stop_agreed(self) -> bool:
-        """This process's stop flag, or in a multi-process job whether any process has it (an all-gather),
-        so that every process takes the collective final save together."""
-        if jax.process_count() == 1:
-            return self._stop.is_set()
-        flags = multihost_utils.process_allgather(np.asarray(self._stop.is_set()))
-        return bool(np.any(flags))
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -298,17 +244,12 @@ class TrainCheckpointer:
             manager.close()
 
     def maybe_save(self, step: int, state: Any, metadata: Metadata | Callable[[], Metadata]) -> bool:
-        """Save if `step` is due or a stop was requested; True when the loop should stop now.
-
-        `metadata` may be a callable, evaluated only when a checkpoint is written.
-        """
-        stopping = self._stop_agreed()
-        if stopping or step % self.config.every_steps == 0:
-            self.save(step, state, metadata() if callable(metadata) else metadata, wait=stopping)
-        if stopping:
-            name = signal.Signals(self._signal).name if self._signal is not None else "a stop request"
-            logger.info("stopping after step %d on %s; checkpoint saved", step, name)
-        return stopping
+        """Save when `step` is a multiple of `every_steps`; whether it did. `metadata` may be a callable,
+        evaluated only when a checkpoint is written."""
+        if step % self.config.every_steps:
+            return False
+        self.save(step, state, metadata() if callable(metadata) else metadata)
+        return True
 
     def save(self, step: int, state: Any, metadata: Metadata, *, wait: bool = False) -> None:
         """Write checkpoint `step` (skipped if it exists); `wait` blocks until it is committed and verifiable.
@@ -483,7 +424,6 @@ class TrainCheckpointer:
     def close(self) -> None:
         """Wait for pending saves, put back the previous signal handlers and release Orbax's resources."""
         self.wait()
-        self.uninstall_signal_handlers()
         self._manifests.shutdown()
         self._manager.close()
 

@@ -90,3 +90,9 @@ class TrainerConfig(Config):
     packing: PackingConfig = option(
         default_factory=PackingConfig, doc="micro-batch buckets: each step the least-padding one under the token budget"
     )
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a step reads the frozen reference policy (a KL coefficient is > 0): the run keeps the
+        starting policy's params for it."""
+        return self.ppo.kl_coef > 0 or self.advantage.kl_reward_coef > 0

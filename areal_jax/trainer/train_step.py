@@ -162,11 +162,6 @@ class _Program:
     def param_shardings(self) -> Any:
         return jax.tree.unflatten(self.params_def, self.param_sharding_leaves)
 
-    @property
-    def uses_reference(self) -> bool:
-        """Whether the update reads the reference policy's log-probs (a KL coefficient is > 0)."""
-        return self.ppo.kl_coef > 0 or self.kl_reward_coef > 0
-
     def optimizer(self) -> optax.GradientTransformation:
         return make_optimizer(self.optimizer_config, self._placeholders())
 
@@ -376,12 +371,6 @@ class TrainStep:
         self._logprobs = jax.jit(
             _logprobs_fn, static_argnums=0, in_shardings=(params_sh, batch_sh), out_shardings=batch_sh
         )
-        self._gradients = jax.jit(
-            _gradients_fn,
-            static_argnums=0,
-            in_shardings=(params_sh, batch_sh, batch_sh, batch_sh, replicated),
-            out_shardings=(replicated, params_sh, replicated),
-        )
         self._update_gradients = jax.jit(
             _update_gradients_fn,
             static_argnums=0,
@@ -400,8 +389,8 @@ class TrainStep:
     @property
     def uses_reference(self) -> bool:
         """Whether updates need the reference policy's log-probs (`ppo.kl_coef` or
-        `advantage.kl_reward_coef` > 0)."""
-        return self.program.uses_reference
+        `advantage.kl_reward_coef` > 0: `TrainerConfig.uses_reference`)."""
+        return self.config.uses_reference
 
     def place(self, params: nnx.State) -> nnx.State:
         """A copy of `params` (of this step's model) on the trainer shardings; the caller's arrays stay valid."""
@@ -434,18 +423,6 @@ class TrainStep:
         """log pi(target) [M, B, L] of every position under `params`, at the trainer's temperature: the
         proximal log-probs with the step's params, the reference log-probs with the reference params."""
         return self._logprobs(self.program.scorer, params, batch)
-
-    def gradients(
-        self,
-        params: nnx.State,
-        batch: PackedBatch,
-        logp_prox: jax.Array | None,
-        version: int,
-        logp_ref: jax.Array | None = None,
-    ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
-        """(loss, gradient, statistics) of one mini-batch without updating: the update's own accumulation."""
-        prox, ref = self._prox_arg(logp_prox), self._ref_arg(logp_ref)
-        return self._gradients(self.program, params, batch, prox, ref, jnp.int32(version))
 
     def update(
         self,

@@ -1,20 +1,19 @@
-"""The training loop: batches of trajectories in, PPO updates, versioned weights out to a publisher.
+"""The trainer's numerics: a batch of trajectories in, PPO updates, a new policy version out.
 
 One step: pack the trajectories (shift, group advantages, `ppo_minibatches` mini-batches), run the
 proximal log-prob pass on every mini-batch with the weights at the start of the step (unless
 `ppo.prox_logp_method` approximates it inside the update: rollout, loglinear), the reference pass with the
 frozen reference params when a KL coefficient is > 0, then one optimizer update per
-mini-batch, then bump the policy version and hand the new params to `publish(params, version)`.
-The version counts published steps; a step whose updates were all skipped (non-finite loss or gradient)
-still publishes its unchanged weights under a new version, so admission control on the rollout side
-moves on.
+mini-batch, then bump the policy version. The version counts steps; a step whose updates were all
+skipped (non-finite loss or gradient) still makes a new version of its unchanged weights, so admission
+control on the rollout side moves on once the trainer loop (`system/training_loop.py`) publishes it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -27,11 +26,9 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.objectives.stats import merge_stats
 from areal_jax.trainer.batching import Planner, build_batch
 from areal_jax.trainer.config import TrainerConfig
-from areal_jax.trainer.train_step import TrainStep, applied_updates
+from areal_jax.trainer.train_step import TrainStep
 
 logger = logging.getLogger(__name__)
-
-Publisher = Callable[[nnx.State, int], None]
 
 
 def merge_minibatch_stats(stats_P: Sequence[dict[str, np.ndarray]]) -> dict[str, float]:
@@ -61,9 +58,8 @@ def _check_reference(reference_params: nnx.State, params: nnx.State) -> None:
 class Trainer:
     """Owns the trainer-side params and optimizer state of one decoder on one mesh and runs PPO steps.
 
-    `publish(params, version)` is called after every step with the new params (an `nnx.State` on the
-    trainer mesh). Those arrays are donated to the next update, so a publisher that keeps them beyond
-    its call must copy them (e.g. `jax.device_put` onto its own shardings) before returning. `planner`
+    `params` (an `nnx.State` on the trainer mesh) are donated to the next update, so whoever keeps them
+    beyond a step (a weight publisher) must copy them (e.g. onto its own shardings) first. `planner`
     replaces the bucketed packing (e.g. the fixed-count baseline in the benchmark).
 
     `reference_params` (an `nnx.State` of the same model, e.g. a copy of the initial params) is the frozen
@@ -77,14 +73,13 @@ class Trainer:
         model: Decoder,
         config: TrainerConfig,
         mesh: Mesh,
-        publish: Publisher | None = None,
         *,
         version: int = 0,
         planner: Planner | None = None,
         temperature: float,
         reference_params: nnx.State | None = None,
     ):
-        if reference_params is None:
+        if reference_params is None and config.uses_reference:
             for key, coef in (
                 ("ppo.kl_coef", config.ppo.kl_coef),
                 ("advantage.kl_reward_coef", config.advantage.kl_reward_coef),
@@ -116,7 +111,6 @@ class Trainer:
             else:
                 logger.info("reference_params not kept: ppo.kl_coef and advantage.kl_reward_coef are 0")
         self.params, self.opt_state = self.train_step.init(state)
-        self.publish = publish
         self.planner = planner
         self.version = version
         self.skipped_updates = 0
@@ -164,8 +158,6 @@ class Trainer:
                 "train/throughput": stats["train/loss_tokens"] / elapsed,
             }
         )
-        if self.publish is not None:
-            self.publish(self.params, self.version)
         logger.info(
             "step %d: loss %.4g grad_norm %.3g lr %.3g loss_tokens %d %.1f tok/s skipped %d",
             self.version,
@@ -177,14 +169,3 @@ class Trainer:
             stats["train/skipped_updates"],
         )
         return stats
-
-    def run(self, batches: Iterable[Sequence[Trajectory]], num_steps: int | None = None) -> Iterator[dict[str, float]]:
-        """Train on batches from any iterable (at most `num_steps`), yielding each step's statistics."""
-        for index, trajectories in enumerate(batches):
-            if num_steps is not None and index >= num_steps:
-                return
-            yield self.step(trajectories)
-
-    def learning_rate(self) -> float:
-        """The lr the next applied update will use."""
-        return float(self.train_step.schedule(applied_updates(self.opt_state)))

@@ -27,7 +27,7 @@ SETTINGS = (
 def calibrate(config_path: str | None, overrides: Sequence[str], steps: int) -> Path:
     """Run the calibration of a config (file and overrides) for `steps` steps into
     `<output_dir>/<name>-calibration` (replacing an earlier calibration there); its directory."""
-    from areal_jax.system.launcher import launch_local
+    from areal_jax.jobs.launcher import launch_local
 
     name = f"{load_experiment(config_path, overrides).name}-calibration"
     overrides = [*overrides, f"name={name}", f"train_steps={steps}", *SETTINGS]

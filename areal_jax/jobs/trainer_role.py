@@ -22,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -32,11 +30,12 @@ import orbax.checkpoint as ocp
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.generator import GeneratorStats
+from areal_jax.jobs.train import RunSummary, train
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.sharding import make_mesh
-from areal_jax.system.async_rl import RunSummary, train
 from areal_jax.system.cluster import ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
 from areal_jax.system.reporting import QUEUE
+from areal_jax.system.stop_control import StopControl
 from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer
 from areal_jax.weights.base import WeightPublisher, checkpoint_location
@@ -58,15 +57,15 @@ class RemoteRollouts:
         self.processes = processes  # process 0 alone writes the control files
         self.control = ControlFiles(cfg.run_location, cfg.cluster.rollout_servers)
         self.done = _AllDone(self.control)
-        self.publish_seconds = 0.0
 
     @contextlib.contextmanager
-    def serving(self, trainer: Trainer, on_failure: Callable[[], None]) -> Iterator[None]:
+    def serving(self, trainer: Trainer, stops: StopControl) -> Iterator[WeightPublisher]:
+        """Versions newer than the trainer's removed (a resumed trainer's lost future), its version published
+        (the servers start from it), the ready marker written; then each version goes through the path."""
         primary = self.processes.primary
         if primary:
             self.control.clear()
-        store = self.cfg.layout.weights
-        _drop_versions_after(store, trainer.version)  # Orbax: every process takes part, process 0 deletes
+        _drop_versions_after(self.cfg.layout.weights, trainer.version)  # Orbax: every process takes part
         self.processes.barrier("areal-weights-trimmed")
         publisher = open_publisher(self.cfg)
         try:
@@ -75,15 +74,9 @@ class RemoteRollouts:
             publisher.wait()  # the servers start from this version
             if primary:
                 self.control.trainer_ready(trainer.version)
-            trainer.publish = lambda params, version: self._publish(publisher, params, version)
-            yield
+            yield publisher
         finally:
             publisher.close()
-
-    def _publish(self, publisher: WeightPublisher, params: Any, version: int) -> None:
-        started = time.perf_counter()
-        publisher.publish(params, version)
-        self.publish_seconds = time.perf_counter() - started
 
     def stop(self) -> None:
         if self.processes.primary:
@@ -96,13 +89,12 @@ class RemoteRollouts:
     def failed(self) -> bool:
         return bool(self.control.failures())
 
-    def step_stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float]:
         statuses = self.control.statuses()
         stats = {f"generator/{k}": v for k, v in sum_statuses(statuses, _GENERATOR_COUNTERS).items()}
         stats["rollout/failed_total"] = sum_statuses(statuses, ("failed",))["failed"]
         stats[QUEUE] = sum_statuses(statuses, ("queue",))["queue"]
         stats["rollout/servers_reporting"] = float(len(statuses))
-        stats["weights/publish_blocking_seconds"] = self.publish_seconds
         stats.update(weight_path_stats(statuses))
         return stats
 
@@ -110,17 +102,14 @@ class RemoteRollouts:
         statuses = self.control.statuses()
         return max((int(s.get("next_group_id", 0)) for s in statuses), default=0)
 
-    def rejected(self) -> int:
-        return 0  # each server counts its own; a restarted server starts from the log
-
     def generation_tokens(self) -> int:
         return int(sum_statuses(self.control.statuses(), ("emitted_tokens",))["emitted_tokens"])
 
     def interruptions(self) -> int:
         return int(sum_statuses(self.control.statuses(), ("interruptions",))["interruptions"])
 
-    def local_generator(self) -> None:
-        return None
+    def evaluate_if_due(self, version: int) -> dict[str, float]:
+        return {}  # rollout server 0 evaluates the versions it loads (`RolloutSide.evaluate_if_due`)
 
 
 class _AllDone:
@@ -145,9 +134,7 @@ def _drop_versions_after(store: Any, version: int) -> None:
                 manager.delete(step)
 
 
-def run_trainer(
-    cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False, stop_event: threading.Event | None = None
-) -> RunSummary:
+def run_trainer(cfg: ExperimentConfig, resume: bool = False, overwrite: bool = False) -> RunSummary:
     """Train `cfg.train_steps` steps on what the rollout servers write (see the module docstring)."""
     initialize_distributed(cfg.distributed)
     if TrainerProcesses().primary:
@@ -159,5 +146,4 @@ def run_trainer(
         lambda training: RemoteRollouts(cfg, training.processes),
         resume=resume,
         overwrite=overwrite,
-        stop_event=stop_event,
     )

@@ -1,17 +1,13 @@
-"""`areal-jax rollout`: one rollout server process (engine, generator, workflows, rewards) of a run whose
-trainer is another process.
+"""`areal-jax rollout`: one rollout server process of a run whose trainer is another process.
 
-It waits for the trainer's first weight version in `<run>/weights`, loads it onto this host's devices, and
-generates its groups (`cluster.py`: ids g % N == i, its share of the staleness bound) into the rollout
-log, as far ahead as its share allows. A follower thread polls the weight path (`weight_paths.py`: the
-store, or the direct path's announcements beside it); each new version is loaded straight onto the
-inference shardings and swapped in (interrupting in-flight generation or draining first, by
-`rollout.interrupt`), then admission follows the new version. Its status file counts the loads per path
-with the last one's load time and lag, which the trainer's metrics report. Server 0 also evaluates the
-held-out split at the versions `eval.every_steps` names. The server ends when the trainer writes the stop
-marker, when its prompts run out (`control/rollout-<i>.done`) or when its failure budget is spent
-(`control/rollout-<i>.failed`, which stops the trainer too). A restarted server issues again the groups it
-had in flight (`resume_point`).
+It waits for the trainer's first weight version in `<run>/weights`, loads it onto this host's devices and
+runs its `RolloutSide` (`system/rollout_side.py`, server i of N: ids g % N == i, its share of the staleness
+bound; where it goes on, its writer id, applying a version and the evaluation schedule are written there,
+the same as in the one-process run). A follower thread polls the weight path (`weight_paths.py`: the
+store, or the direct path's announcements beside it) and applies each new version. Its status file counts
+the loads per path with the last one's load time and lag, which the trainer's metrics report. The server
+ends when the trainer writes the stop marker, when its prompts run out (`control/rollout-<i>.done`) or
+when its failure budget is spent (`control/rollout-<i>.failed`, which stops the trainer too).
 
 With `distributed.enabled` over several processes (hosts), the server is one program whose engine mesh
 spans every process's devices: process 0 runs everything above on a `MirroredEngine`, the other processes
@@ -37,30 +33,29 @@ from flax import nnx
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
-from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, logged_group_ids, new_writer_id
-from areal_jax.data.tasks import TaskStream
-from areal_jax.evaluation import evaluate
 from areal_jax.inference.engine import Engine
-from areal_jax.inference.generator import Generator
+from areal_jax.inference.serving_engine import ServingEngine
 from areal_jax.multiprocess import TrainerProcesses
-from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.rewards import Reward
-from areal_jax.rollout.staleness import StalenessManager
-from areal_jax.rollout.weight_versions import apply_version
 from areal_jax.run_layout import EVAL_DIR
 from areal_jax.sharding import make_mesh
 from areal_jax.system import resources
-from areal_jax.system.assembly import abstract_policy, build_prompts, build_tokenizer, build_workflow
+from areal_jax.system.assembly import (
+    abstract_policy,
+    build_prompts,
+    build_task_stream,
+    build_tokenizer,
+    build_workflow,
+)
 from areal_jax.system.cluster import (
     DIRECT_FALLBACKS,
     ControlFiles,
     initialize_distributed,
-    resume_point,
-    server_group_ids,
     weight_load_status,
 )
 from areal_jax.system.command_channel import CommandReceiver, CommandSender, PeerLost
 from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
+from areal_jax.system.rollout_side import RolloutSide, open_rollout_side
 from areal_jax.system.run_mirror import mirroring
 from areal_jax.system.weight_paths import open_subscriber
 from areal_jax.weights.base import WeightSubscriber, abstract_target
@@ -126,83 +121,76 @@ def _serve(
     cfg: ExperimentConfig,
     server: int,
     tokenizer: Any,
-    engine: Engine | MirroredEngine,
+    engine: ServingEngine,
     target: Any,
     stop_event: threading.Event,
 ) -> RolloutServerSummary:
     """The server on `engine` (process 0's, when the server spans several processes)."""
     servers = cfg.cluster.rollout_servers
-    run_dir = cfg.run_location
-    control = ControlFiles(run_dir, servers)
+    control = ControlFiles(cfg.run_location, servers)
     subscriber = _wait_for_trainer(control, cfg.layout.weights, cfg, server, stop_event)
     if subscriber is None:
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     if isinstance(engine, MirroredEngine):
         subscriber = MirroredWeights(subscriber, engine)
-    resources.record(run_dir, resources.rollout_role(server), jax.local_devices())
+    resources.record(cfg.run_location, resources.rollout_role(server), jax.local_devices())
     try:
-        first = subscriber.load(subscriber.latest_version(), target)
-        params = engine.load_params(first.params, first.version)
-        first = dataclasses.replace(first, params=None)  # the engine has its copy: not kept for the run
-        engine.warmup(params)
         with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
             train_prompts, heldout = build_prompts(cfg, workflow)
-            stream = TaskStream(train_prompts, cfg.seed, cfg.dataset.shuffle, cfg.dataset.epochs)
-            log_dir = cfg.layout.rollout_log
-            point = resume_point(logged_group_ids(log_dir), server, servers)
-            staleness = StalenessManager(cfg.rollout.staleness, first.version, server=server, servers=servers)
-            staleness.restore(point.written, 0, first.version)
-            logger.info(
-                "rollout server %d of %d at weights v%d: %d groups written before, %d re-issued, next id %d",
-                server,
-                servers,
-                first.version,
-                point.written,
-                len(point.reissue),
-                point.next_group_id,
-            )
-            tasks = ((g, stream.task_for(g)) for g in server_group_ids(point, servers, len(stream)))
-            writer = RolloutLogWriter(log_dir, writer_id=new_writer_id(server), config=cfg.rollout.log)
-            sink = GroupLogSink(writer)
-            generator = Generator(engine, params, detokenize=workflow.tokenizer.decode, seed=cfg.seed)
-            del params  # the generator owns the weights: a local here would pin the first version for the run
-            with generator:
-                controller = RolloutController(
-                    generator, workflow, tasks, staleness, sink, failures=cfg.rollout.failures
-                ).start()
-                loaded: queue.Queue[_Loaded] = queue.Queue()
-                follower = _WeightFollower(
-                    subscriber, engine, generator, staleness, target, cfg, first.version, loaded, stop_event
-                )
-                follower.start()
-                serving = _Serving(cfg, server, control, generator, controller, workflow, heldout, loaded)
-                try:
-                    ended_by = serving.run(stop_event)
-                finally:
-                    stop_event.set()
-                    follower.join()
-                    controller.stop()
-                    sink.close()
-                    serving.write_status()
-                if follower.error is not None:  # not the rollouts' fault: the launcher restarts the server
-                    raise RolloutServerError(f"loading new weights failed: {follower.error}") from follower.error
-                if ended_by == "failed" and isinstance(engine, MirroredEngine) and engine.lost is not None:
-                    raise RolloutServerError(engine.lost)  # the failures were the lost process's, not the rollouts'
-                if ended_by == "failed":
-                    control.mark_failed(server, str(controller.failure))
-                    raise RolloutServerError(str(controller.failure))
-                if ended_by == "done":
-                    control.mark_done(server)
-                return RolloutServerSummary(
-                    server=server,
-                    groups_written=point.written + controller.stats.accepted,
-                    generation_tokens=generator.stats.emitted_tokens,
-                    interruptions=generator.stats.interruptions,
-                    versions_loaded=serving.versions_loaded,
-                    ended_by=ended_by,
-                )
+            stream = build_task_stream(cfg, train_prompts)
+            with open_rollout_side(
+                cfg, engine, *_newest(subscriber, target), workflow, stream, heldout, server=server, servers=servers
+            ) as side:  # the newest version's params are a temporary: the engine's copy is the only one kept
+                return _serve_side(cfg, server, control, subscriber, engine, side, target, stop_event)
     finally:
         subscriber.close()
+
+
+def _serve_side(
+    cfg: ExperimentConfig,
+    server: int,
+    control: ControlFiles,
+    subscriber: WeightSubscriber,
+    engine: ServingEngine,
+    side: RolloutSide,
+    target: Any,
+    stop_event: threading.Event,
+) -> RolloutServerSummary:
+    loaded: queue.Queue[_Loaded] = queue.Queue()
+    follower = _WeightFollower(subscriber, side, target, cfg, side.generator.version, loaded, stop_event)
+    follower.start()
+    serving = _Serving(cfg, server, control, side, loaded)
+    try:
+        serving.evaluate_first()
+        ended_by = serving.run(stop_event)
+    finally:
+        stop_event.set()
+        follower.join()
+        side.controller.stop()
+        serving.write_status()
+    if follower.error is not None:  # not the rollouts' fault: the launcher restarts the server
+        raise RolloutServerError(f"loading new weights failed: {follower.error}") from follower.error
+    if ended_by == "failed" and isinstance(engine, MirroredEngine) and engine.lost is not None:
+        raise RolloutServerError(engine.lost)  # the failures were the lost process's, not the rollouts'
+    if ended_by == "failed":
+        control.mark_failed(server, str(side.failure))
+        raise RolloutServerError(str(side.failure))
+    if ended_by == "done":
+        control.mark_done(server)
+    return RolloutServerSummary(
+        server=server,
+        groups_written=side.groups_written,
+        generation_tokens=side.generator.stats.emitted_tokens,
+        interruptions=side.generator.stats.interruptions,
+        versions_loaded=serving.versions_loaded,
+        ended_by=ended_by,
+    )
+
+
+def _newest(subscriber: WeightSubscriber, target: Any) -> tuple[Any, int]:
+    """The newest version's params, loaded as `target` says, and its number."""
+    weights = subscriber.load(subscriber.latest_version(), target)
+    return weights.params, weights.version
 
 
 def _join_processes(cfg: ExperimentConfig) -> CommandSender | CommandReceiver:
@@ -298,14 +286,12 @@ def _wait_for_trainer(
 
 
 class _WeightFollower(threading.Thread):
-    """Polls the weight path and swaps each new version into the generator, then into admission."""
+    """Polls the weight path and applies each new version to the rollout side."""
 
     def __init__(
         self,
         subscriber: WeightSubscriber,
-        engine: Engine,
-        generator: Generator,
-        staleness: StalenessManager,
+        side: RolloutSide,
         target: Any,
         cfg: ExperimentConfig,
         version: int,
@@ -313,9 +299,8 @@ class _WeightFollower(threading.Thread):
         stop_event: threading.Event,
     ):
         super().__init__(name="areal-weights", daemon=True)
-        self.subscriber, self.engine, self.generator, self.staleness = subscriber, engine, generator, staleness
-        self.target, self.version, self.loaded, self.stop_event = target, version, loaded, stop_event
-        self.interrupt = cfg.rollout.interrupt
+        self.subscriber, self.side, self.target, self.version = subscriber, side, target, version
+        self.loaded, self.stop_event = loaded, stop_event
         self.poll = cfg.cluster.weights_poll_s
         self.error: BaseException | None = None
 
@@ -326,10 +311,11 @@ class _WeightFollower(threading.Thread):
                 if newest is None:
                     continue
                 weights = self.subscriber.load(newest, self.target)
-                apply_version(self.generator, self.staleness, weights.params, weights.version, interrupt=self.interrupt)
+                self.side.apply(weights.params, weights.version)
                 self.version = weights.version
                 lag = time.time() - weights.published_at if weights.published_at is not None else None
                 self.loaded.put(_Loaded(weights.version, weights.source, weights.seconds, lag, weights.fell_back))
+                del weights  # the generator holds the version now
         except BaseException as err:  # reported by the server's loop, which stops the server
             logger.exception("loading new weights failed")
             self.error = err
@@ -340,32 +326,27 @@ class _Serving:
     """The server's main loop: status files, held-out evaluations (server 0), and the end of serving."""
 
     def __init__(
-        self,
-        cfg: ExperimentConfig,
-        server: int,
-        control: ControlFiles,
-        generator: Generator,
-        controller: RolloutController,
-        workflow: Any,
-        heldout: list[Any],
-        loaded: queue.Queue[_Loaded],
+        self, cfg: ExperimentConfig, server: int, control: ControlFiles, side: RolloutSide, loaded: queue.Queue[_Loaded]
     ):
-        self.cfg, self.server, self.control = cfg, server, control
-        self.generator, self.controller, self.workflow, self.heldout = generator, controller, workflow, heldout
-        self.loaded = loaded
+        self.cfg, self.server, self.control, self.side, self.loaded = cfg, server, control, side, loaded
         self.versions_loaded = 0
         self.loads_by_source: dict[str, int] = {}
         self.weights: dict[str, float] = {DIRECT_FALLBACKS: 0} if cfg.cluster.weight_transfer == "direct" else {}
+
+    def evaluate_first(self) -> None:
+        """The starting policy of a new run (version 0) when the evaluation schedule says so."""
+        if self.side.generator.version == 0:
+            self.side.evaluate_if_due(0)
 
     def run(self, stop_event: threading.Event) -> str:
         every = self.cfg.cluster.status_every_s
         next_status = 0.0
         while True:
-            if self.controller.failure is not None:
+            if self.side.failure is not None:
                 return "failed"
             if self.control.stop_requested():
                 return "stop"
-            if self.controller.exhausted.is_set():
+            if self.side.exhausted.is_set():
                 return "done"
             if stop_event.is_set():
                 return "signal"
@@ -375,7 +356,7 @@ class _Serving:
                 news = None
             if news is not None:
                 self._count_load(news)
-                self._maybe_evaluate(news.version)
+                self.side.evaluate_if_due(news.version)
             if time.monotonic() >= next_status:
                 self.write_status()
                 next_status = time.monotonic() + every
@@ -389,29 +370,16 @@ class _Serving:
             self.weights[DIRECT_FALLBACKS] = self.weights.get(DIRECT_FALLBACKS, 0) + 1
 
     def write_status(self) -> None:
-        stats = dataclasses.asdict(self.generator.stats)
+        side = self.side
         self.control.write_status(
             self.server,
             {
-                **stats,
+                **dataclasses.asdict(side.generator.stats),
                 **self.weights,
-                "accepted": self.controller.stats.accepted,
-                "failed": self.controller.stats.failed,
-                "next_group_id": self.controller.next_group_id,
-                "queue": self.generator.num_in_flight(),
+                "accepted": side.controller.stats.accepted,
+                "failed": side.controller.stats.failed,
+                "next_group_id": side.next_group_id,
+                "queue": side.generator.num_in_flight(),
                 "pid": os.getpid(),
             },
         )
-
-    def _maybe_evaluate(self, version: int) -> None:
-        every = self.cfg.eval.every_steps
-        if self.server != 0 or not self.heldout or not every or version % every:
-            return
-        prompts = self.heldout[: self.cfg.eval.max_prompts or None]
-        try:
-            report = evaluate(self.generator, self.workflow, prompts, self.cfg.eval, self.cfg.seed)
-        except Exception:
-            logger.exception("held-out evaluation at version %d failed; serving goes on", version)
-            return
-        report.write(self.cfg.layout.eval_dir / f"step-{version}")
-        logger.info("held-out pass@1 at version %d: %.3f (%d prompts)", version, report.overall.pass_at_1, len(prompts))

@@ -1,0 +1,1 @@
+"""The jobs: what `areal-jax` runs (train, trainer, rollout, launch), assembled from the system layer."""
