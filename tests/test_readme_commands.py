@@ -65,6 +65,7 @@ SHORT = {  # appended to a command that trains this config: a few small steps, p
         "trainer.packing.rows=4",
         f"train_checkpoint.every_steps={STEPS}",
         f"eval.every_steps={STEPS}",
+        "cluster.status_every_s=0.2",  # `launch local`: the servers' counters reach the calibration each step
         "compilation_cache_dir=null",
     ],
 }
@@ -127,6 +128,7 @@ class Run:
     config: str
     directory: Path
     eta: int  # rollout.staleness.max_head_offpolicyness
+    separate_roles: bool = False  # `launch local`: the two sides on cores of their own
 
 
 @dataclass
@@ -154,8 +156,9 @@ class ReadmeSession:
 
     def bind(self, word: str, calibrating: bool) -> str:
         """A README word with its placeholders bound: a `runs/...` path goes into the output directory."""
-        # a calibration run's two sides may not share cores while both run: the synchronous baseline's (eta 0)
-        runs = [run for run in self.runs if run.eta == 0] if calibrating else self.runs
+        # a calibration run's two sides may not share cores while both run: a `launch local` run, or a
+        # one-process run at eta 0
+        runs = [run for run in self.runs if run.eta == 0 or run.separate_roles] if calibrating else self.runs
         last = runs[-1] if runs else None
         if word in PLACEHOLDERS:
             return PLACEHOLDERS[word]
@@ -189,6 +192,13 @@ class ReadmeSession:
 
     def main_job(self, words: list[str]) -> None:
         readme_overrides = [word for word in words[2:] if "=" in word]
+        if readme_overrides:
+            # an example of overrides (the synchronous baseline): they must name real keys and values; the
+            # eta-0 wiring itself runs in tests/test_async_rl.py, and running it here again would cost the
+            # suite ~20 s of its 10 minutes
+            cfg = load_experiment(MAIN_CONFIG, readme_overrides)
+            assert all(word.split("=", 1)[0] for word in readme_overrides) and cfg.train_steps > 0
+            return
         argv = [*words, *SHORT[MAIN_CONFIG], f"output_dir={self.output_dir}"]
         done = self.execute(argv)
         overrides = [*readme_overrides, *SHORT[MAIN_CONFIG], f"output_dir={self.output_dir}"]
@@ -214,7 +224,7 @@ class ReadmeSession:
         assert str(run_dir / "metrics.jsonl") in done.stdout  # the summary names what the run wrote
         self.runs.append(Run(config, run_dir, eta))
 
-    def launched(self, cfg: Any, done: subprocess.CompletedProcess[str]) -> None:
+    def launched(self, config: str, cfg: Any, done: subprocess.CompletedProcess[str]) -> None:
         """A finished `launch local` run: every step trained once, the rollout servers wrote the groups,
         the trainer exported the policy."""
         run_dir = Path(cfg.run_dir)
@@ -225,6 +235,7 @@ class ReadmeSession:
         assert (run_dir / "hf_final" / "config.json").is_file()
         writers = {path.name.split("-")[0] for path in (run_dir / "rollout_log").glob("*.arrayrecord")}
         assert writers == {"rollout0", "rollout1"}, writers  # `--rollout 2`: both servers generated
+        self.runs.append(Run(config, run_dir, cfg.rollout.staleness.max_head_offpolicyness, True))
 
     def cli(self, command: ReadmeCommand, words: list[str]) -> None:
         args = parse_command_line(words[1:])  # every README command parses, whether it runs here or not
@@ -248,7 +259,7 @@ class ReadmeSession:
                 assert said and "--overwrite" in said[-1], done.stdout[-2000:] + done.stderr[-2000:]
                 assert (Path(cfg.run_dir) / "hf_final").is_dir()  # and left alone
             elif args.command == "launch":
-                self.launched(cfg, self.execute([*words, *SHORT[config], f"output_dir={self.output_dir}"]))
+                self.launched(config, cfg, self.execute([*words, *SHORT[config], f"output_dir={self.output_dir}"]))
             else:
                 overrides = [*SHORT[config], f"output_dir={self.output_dir}"]
                 self.trained(config, overrides, self.execute([*words, *overrides]))
@@ -296,4 +307,9 @@ def test_the_readme_commands_run_in_the_readme_order(tmp_path: Path) -> None:
     session = ReadmeSession(tmp_path / "runs")
     for command in readme_commands(README.read_text()):
         session.run(command)
-    assert [run.config for run in session.runs][:2] == [MAIN_CONFIG, MAIN_CONFIG]
+    # the main job, the one-minute job, its `launch local` twin (then the calibration reads the last)
+    assert [(run.config, run.separate_roles) for run in session.runs] == [
+        (MAIN_CONFIG, False),
+        ("configs/train_cpu.yaml", False),
+        ("configs/train_cpu.yaml", True),
+    ]
