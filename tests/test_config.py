@@ -142,3 +142,18 @@ def test_a_config_file_builds_on_a_base_file(tmp_path):
         load_experiment(tmp_path / "loop.yaml")
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_experiment(tmp_path / "missing.yaml")
+
+
+def test_a_removed_key_is_ignored_with_a_warning_and_an_unknown_one_still_refused(tmp_path, caplog):
+    """An older run's config.yaml lists every key it had; one a section has since removed (`REMOVED_KEYS`)
+    loads with a warning, so the run can still resume; a key that never existed is refused as before."""
+    old = tmp_path / "config.yaml"
+    old.write_text("rollout:\n  log:\n    max_records: 64\n    fsync: false\npipeline:\n  prefetch_batches: 2\n")
+    with caplog.at_level("WARNING"):
+        cfg = load_experiment(str(old))
+    assert cfg.rollout.log.fsync is False  # the keys beside it are read
+    assert "'max_records' of RolloutLogConfig is ignored" in caplog.text
+    assert "'prefetch_batches' of PipelineConfig is ignored" in caplog.text
+    old.write_text("rollout:\n  log:\n    max_recordz: 64\n")
+    with pytest.raises(ConfigError, match=r"rollout\.log\.max_recordz: unknown key"):
+        load_experiment(str(old))
