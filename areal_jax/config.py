@@ -8,6 +8,7 @@ from pathlib import Path
 
 from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, load, option
+from areal_jax.data.packing import PackingConfig
 from areal_jax.data.pipeline import PipelineConfig
 from areal_jax.data.tasks import TaskDataConfig
 from areal_jax.eval_config import EvalConfig
@@ -126,9 +127,15 @@ class ExperimentConfig(Config):
                 f"{sampling.max_new_tokens} exceeds rollout.engine.max_length={rollout.engine.max_length}; "
                 "lower one of the first two or raise the last",
             )
+        if self.trainer.advantage.overlong_buffer and self.rollout.workflow.kind == "multi_turn":
+            raise ConfigError(
+                "trainer.advantage.overlong_buffer",
+                f"is {self.trainer.advantage.overlong_buffer} but rollout.workflow.kind is multi_turn, whose "
+                "responses hold the environment's turns too, so their length is not the model's; set it to 0",
+            )
         longest, what = self.longest_sample()
-        row = self.trainer.packing.row_length
-        if longest > row:
+        budget = self.trainer.packing.token_budget  # auto is chosen per platform to fit the longest sample
+        if budget != "auto" and longest > (row := self.trainer.packing.row_length):
             raise ConfigError(
                 "trainer.packing.token_budget",
                 f"a packed row holds token_budget / rows = {self.trainer.packing.token_budget} / "
@@ -136,10 +143,14 @@ class ExperimentConfig(Config):
                 "raise trainer.packing.token_budget or lower trainer.packing.rows",
             )
 
+    def packing_on(self, platform: str) -> PackingConfig:
+        """`trainer.packing` with `token_budget: auto` chosen for `platform` and this run's longest sample."""
+        return self.trainer.packing.resolved(platform, self.longest_sample()[0])
+
     def longest_sample(self) -> tuple[int, str]:
         """The longest possible trajectory in tokens and the keys it comes from."""
-        if self.rollout.workflow.kind == "multi_turn":
-            return self.rollout.engine.max_length, "rollout.engine.max_length (multi_turn)"
+        if self.rollout.workflow.kind in ("multi_turn", "agent"):
+            return self.rollout.engine.max_length, f"rollout.engine.max_length ({self.rollout.workflow.kind})"
         sampling = self.rollout.workflow.sampling
         return (
             self.dataset.max_prompt_tokens + sampling.max_new_tokens,

@@ -1,21 +1,25 @@
-"""The whole RL loop against the compute bound of this machine.
+"""The whole RL loop against the compute bound of this machine, at default settings and hand-tuned.
 
-One `areal-jax train` run per staleness bound (eta = 0, the synchronous baseline, and eta = 2), each
-assembled from `configs/train_cpu.yaml` plus the overrides below, exactly as a user's command line would:
-engine + generator + workflow + rollout log + Grain pipeline + train step + in-process weight update. The
-workload is issue 14's: a 2.9M-parameter Qwen2-shaped policy (hidden 256, 4 layers, 4 heads, 2 KV heads,
-intermediate 688, tied embeddings), two-digit additions (`NN+NN` in the char tokenizer's template), 8
-prompts x 8 samples per step, exactly 64 new tokens per sample (no stop token), temperature 1.
+One `areal-jax train` run per staleness bound (eta = 0, the synchronous baseline, and eta = 2) and per
+variant, each assembled from `configs/train_cpu.yaml` plus the workload below, exactly as a user's command
+line would: engine + generator + workflow + rollout log + Grain pipeline + train step + in-process weight
+update. Variant "defaults" adds nothing; "tuned" adds the overrides this benchmark needed before the
+defaults chose them (`TUNED`). The workload is issue 14's: a 2.9M-parameter Qwen2-shaped policy (hidden 256,
+4 layers, 4 heads, 2 KV heads, intermediate 688, tied embeddings), two-digit additions (`NN+NN` in the char
+tokenizer's template), 8 prompts x 8 samples per step, exactly 64 new tokens per sample (no stop token),
+temperature 1.
 
 samples/s is the steady state (the first steps, which compile and warm up, are left out). The model FLOPs
 of a sample of L tokens are its generation and prompt prefill (one forward over L tokens) plus the
 trainer's forward and backward (3 forwards over the L - 1 packed positions), attention included
-(`ModelConfig.matmul_flops_per_token`); the proximal pass is not counted, and not run
-(`trainer.ppo.prox_logp_method=loglinear`, exact at eta = 0). The bound is the matmul peak
-measured in the same run, before and after the runs (best of both).
+(`ModelConfig.matmul_flops_per_token`); the proximal pass is not counted (at defaults, `prox_logp_method:
+auto` skips it at eta 0, where every token is on-policy, and runs it at eta 2; tuned skips it by AReaL's
+interpolation). The bound is the matmul peak measured in the same run, before and after the runs (best of
+both).
 
-Prints `name: value unit` lines; the last is `ratio e2e_vs_bound: X.XX` (achieved FLOP/s / peak, of the
-better of the two runs). Extra `key=value` arguments override the config of both runs.
+Prints `name: value unit` lines, then `ratio defaults_vs_tuned: X.XX` (the best samples/s at defaults over
+the best tuned, either eta) and last `ratio e2e_vs_bound: X.XX` (achieved FLOP/s / peak of the best run at
+defaults). Extra `key=value` arguments override the config of every run.
 """
 
 from __future__ import annotations
@@ -47,7 +51,6 @@ WORKLOAD = [
     "model.num_kv_heads=2",
     "model.tie_word_embeddings=true",
     "model.max_position_embeddings=128",
-    "model.scan_layers=false",  # 4 layers unrolled: XLA:CPU copies no layer weights out of the stack
     "dataset.arithmetic.min_operand=10",
     "dataset.arithmetic.max_operand=99",
     "dataset.arithmetic.operators=+",
@@ -61,17 +64,19 @@ WORKLOAD = [
     f"rollout.workflow.sampling.max_new_tokens={NEW_TOKENS}",
     "rollout.workflow.sampling.temperature=1.0",
     "rollout.workflow.stop_at_tokenizer_stops=false",
-    # the proximal pass is skipped, as the FLOP count assumes: exact at eta 0, AReaL's interpolation at eta 2
-    "trainer.ppo.prox_logp_method=loglinear",
-    # The trainer picks each step's [rows, length] bucket itself; the cap keeps a micro-batch near 1k tokens:
-    # on CPU one of 5k tokens spills each layer's [tokens, 2F] activations out of the cache (train step
-    # 0.91 -> 0.72 s on this workload with 1k; docs/benchmarks.md)
-    "trainer.packing.token_budget=1024",
-    "trainer.packing.rows=8",
     "train_checkpoint.every_steps=100000",  # no checkpoint inside the timing
     "report.plots=false",
     "report.live=never",
 ]
+# The overrides the loop needed for its speed before the defaults chose them (issue 25): the layers unrolled,
+# the proximal pass skipped by AReaL's interpolation, micro-batches of ~1k tokens.
+TUNED = [
+    "model.scan_layers=false",
+    "trainer.ppo.prox_logp_method=loglinear",
+    "trainer.packing.token_budget=1024",
+    "trainer.packing.rows=8",
+]
+VARIANTS = {"defaults": [], "tuned": TUNED}
 
 
 def flops_per_sample(model: ModelConfig, length: float) -> float:
@@ -81,13 +86,14 @@ def flops_per_sample(model: ModelConfig, length: float) -> float:
     return n * model.matmul_flops_per_token(n) + 3 * (n - 1) * model.matmul_flops_per_token(n - 1)
 
 
-def run(eta: int, steps: int, warmup: int, output_dir: str, extra: list[str]) -> dict[str, float]:
+def run(variant: str, eta: int, steps: int, warmup: int, output_dir: str, extra: list[str]) -> dict[str, float]:
     cfg = load_experiment(
         CONFIG,
         [
             *WORKLOAD,
+            *VARIANTS[variant],
             f"output_dir={output_dir}",
-            f"name=e2e-eta{eta}",
+            f"name=e2e-{variant}-eta{eta}",
             f"train_steps={steps}",
             f"rollout.staleness.max_head_offpolicyness={eta}",
             f"compilation_cache_dir={output_dir}/xla_cache",  # the second run loads the first's programs
@@ -114,35 +120,42 @@ def run(eta: int, steps: int, warmup: int, output_dir: str, extra: list[str]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="4 steps per run, 1 for warm-up (< 60 s on 2 cores)")
-    parser.add_argument("overrides", nargs="*", help="extra key=value config overrides for both runs")
+    parser.add_argument("--quick", action="store_true", help="3 steps per run, 1 for warm-up")
+    parser.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("areal_jax").setLevel(logging.ERROR)  # every sample hits max_new_tokens by design
-    steps, warmup = (4, 1) if args.quick else (24, 4)
+    steps, warmup = (3, 1) if args.quick else (24, 4)
     peaks = [measure_matmul_peak(1024, 5)]
     results = {}
     with tempfile.TemporaryDirectory() as output_dir:
         for eta in (0, 2):
-            results[eta] = run(eta, steps, warmup, output_dir, args.overrides)
+            for variant in VARIANTS:  # side by side at each eta: the machine's noise hits both alike
+                results[variant, eta] = run(variant, eta, steps, warmup, output_dir, args.overrides)
         peaks.append(measure_matmul_peak(1024, 5))
     peak = max(peaks)
-    print(f"parameters: {results[0]['parameters'] / 1e6:.2f} M")
+    print(f"parameters: {results['defaults', 0]['parameters'] / 1e6:.2f} M")
     print(f"matmul_peak: {peak / 1e9:.1f} GFLOP/s")
-    ratios = {}
-    for eta, result in results.items():
+    bound = {}
+    for (variant, eta), result in results.items():
+        name = f"{variant}_eta{eta}"
         achieved = result["samples_per_second"] * result["flops_per_sample"]
-        ratios[eta] = achieved / peak
-        print(f"eta{eta}_samples_per_second: {result['samples_per_second']:.1f} samples/s")
-        print(f"eta{eta}_warmup: {result['warmup_seconds']:.1f} s")
-        print(f"eta{eta}_step_time: {result['step_time']:.2f} s")
-        print(f"eta{eta}_train_step_time: {result['train_step_time']:.2f} s")
-        print(f"eta{eta}_pack_efficiency: {result['pack_efficiency']:.2f} fraction")
-        print(f"eta{eta}_sample_length: {result['sample_length']:.1f} tokens")
-        print(f"eta{eta}_model_flops_per_sample: {result['flops_per_sample'] / 1e6:.1f} MFLOP")
-        print(f"eta{eta}_achieved: {achieved / 1e9:.1f} GFLOP/s")
-        print(f"eta{eta}_e2e_vs_bound: {ratios[eta]:.2f} fraction")
-    print(f"ratio e2e_vs_bound: {max(ratios.values()):.2f}")
+        bound[variant, eta] = achieved / peak
+        print(f"{name}_samples_per_second: {result['samples_per_second']:.1f} samples/s")
+        print(f"{name}_warmup: {result['warmup_seconds']:.1f} s")
+        print(f"{name}_step_time: {result['step_time']:.2f} s")
+        print(f"{name}_train_step_time: {result['train_step_time']:.2f} s")
+        print(f"{name}_pack_efficiency: {result['pack_efficiency']:.2f} fraction")
+        print(f"{name}_sample_length: {result['sample_length']:.1f} tokens")
+        print(f"{name}_model_flops_per_sample: {result['flops_per_sample'] / 1e6:.1f} MFLOP")
+        print(f"{name}_achieved: {achieved / 1e9:.1f} GFLOP/s")
+        print(f"{name}_e2e_vs_bound: {bound[variant, eta]:.2f} fraction")
+    for eta in (0, 2):
+        same_eta = results["defaults", eta]["samples_per_second"] / results["tuned", eta]["samples_per_second"]
+        print(f"eta{eta}_defaults_vs_tuned: {same_eta:.2f} ratio")
+    best = {v: max(results[v, eta]["samples_per_second"] for eta in (0, 2)) for v in VARIANTS}
+    print(f"ratio defaults_vs_tuned: {best['defaults'] / best['tuned']:.2f}")
+    print(f"ratio e2e_vs_bound: {max(bound['defaults', eta] for eta in (0, 2)):.2f}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ def test_async_training_runs_within_staleness_and_resumes(tmp_path, monkeypatch,
     overrides = [*FAST, f"output_dir={tmp_path}", f"rollout.staleness.max_head_offpolicyness={eta}"]
     if eta == 0:
         overrides += ["trainer.ppo.kl_coef=0.05"]  # KL to the starting policy, which the run keeps frozen
+        # every step is on-policy, where auto skips the proximal pass but on the monitor's steps: here all
+        overrides += ["trainer.logprob_monitor_every=1"]
     if eta:
         overrides += ["profile.start_step=2", "profile.num_steps=1"]  # a trace of step 2, both sides running
         overrides += ["model.vocab_size=64"]  # embedding rows past the 27-symbol tokenizer are never sampled

@@ -113,7 +113,12 @@ def test_choices_are_checked_on_direct_construction_too():
             ("trainer.packing.rows", "dataset.max_prompt_tokens + rollout.workflow.sampling.max_new_tokens = 768"),
         ),
         (
-            ["rollout.workflow.kind=multi_turn", "rollout.engine.max_length=2048", "trainer.packing.rows=16"],
+            [
+                "rollout.workflow.kind=multi_turn",
+                "rollout.engine.max_length=2048",
+                "trainer.packing.token_budget=8192",
+                "trainer.packing.rows=16",
+            ],
             "trainer.packing.token_budget",
             ("rollout.engine.max_length (multi_turn) = 2048", "= 512 tokens"),
         ),

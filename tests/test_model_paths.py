@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.models.attention import xla_attention
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import UNROLL_MAX_LAYERS_CPU, ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.layers import gated_projection
 from tests.engine_fixtures import cached_keys
@@ -152,7 +152,7 @@ def test_remat_and_unrolled_layers_keep_value_and_gradient():
         return jax.value_and_grad(f)(state)
 
     v0, g0 = loss(CFG)
-    for variant in (CFG.replace(remat="full"), CFG.replace(remat="dots"), CFG.replace(scan_layers=False)):
+    for variant in (CFG.replace(remat="full"), CFG.replace(remat="dots"), CFG.replace(scan_layers=True)):
         v1, g1 = loss(variant)
         np.testing.assert_allclose(v1, v0, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
@@ -267,5 +267,14 @@ def test_unrolled_layers_compile_without_a_loop():
         forward = jax.jit(lambda s: nnx.merge(graphdef, s).hidden_states(tokens, seg, pos))
         return forward.lower(state).as_text()
 
-    assert "stablehlo.while" in hlo(CFG)
+    assert "stablehlo.while" in hlo(CFG.replace(scan_layers=True))
     assert "stablehlo.while" not in hlo(CFG.replace(scan_layers=False))
+    assert "stablehlo.while" not in hlo(CFG)  # auto on CPU: this shallow model is unrolled
+
+
+def test_scan_layers_auto_unrolls_only_shallow_models_on_cpu():
+    deep = CFG.replace(num_layers=UNROLL_MAX_LAYERS_CPU + 1)
+    shallow = CFG.replace(num_layers=UNROLL_MAX_LAYERS_CPU)
+    assert (shallow.scans_layers("cpu"), deep.scans_layers("cpu")) == (False, True)
+    assert (shallow.scans_layers("tpu"), shallow.scans_layers("gpu")) == (True, True)
+    assert CFG.replace(scan_layers=True).scans_layers("cpu") and not CFG.replace(scan_layers=False).scans_layers("tpu")

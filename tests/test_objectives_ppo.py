@@ -201,19 +201,22 @@ def test_statistics_match_numpy():
         "clip_frac": (clip_term > plain_term).astype(float),
         "dual_clip_frac": ((adv < 0) & (np.maximum(plain_term, clip_term) > 2.0 * np.abs(adv))).astype(float),
         "iw_mean": w,
-        "capped_frac": (w > 5.0).astype(float),
         "approx_kl": w * np.log(w) - w + 1,
         "ratio_mean": u,
     }
+    masked = (w > 5.0).astype(float)  # behav_weight_cap 5 (mask) is short for a token-level MIS on [0, 5]
     mask = batch["mask"]
     staleness = np.clip(trainer_version - batch["version"], 0, 3)
     buckets = [(lab, mask & (staleness == k)) for k, lab in enumerate(["0", "1", "2", ">=3"])]
     for label, bucket in [(None, mask), *buckets]:
         prefix = "ppo" if label is None else f"staleness/{label}"
-        assert stats[f"{prefix}/n_tokens"] == bucket.sum()
-        for name, values in per_token.items():
+        correction = "correction" if label is None else f"correction/staleness/{label}"
+        assert stats[f"{prefix}/n_tokens"] == bucket.sum() == stats[f"{correction}/n_tokens"]
+        expected_means = {f"{prefix}/{name}": values for name, values in per_token.items()}
+        expected_means[f"{correction}/masked_frac"] = masked
+        for key, values in expected_means.items():
             expected = values[bucket].mean() if bucket.any() else 0.0
-            np.testing.assert_allclose(stats[f"{prefix}/{name}"], expected, rtol=1e-5, atol=1e-7, err_msg=prefix + name)
+            np.testing.assert_allclose(stats[key], expected, rtol=1e-5, atol=1e-7, err_msg=key)
         np.testing.assert_allclose(stats[f"{prefix}/iw_max"], w[bucket].max() if bucket.any() else 0.0, rtol=1e-5)
     np.testing.assert_allclose(stats["ppo/entropy"], batch["entropy"][mask].mean(), rtol=1e-5)
 

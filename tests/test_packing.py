@@ -8,6 +8,7 @@ import pytest
 
 from areal_jax.configuration import ConfigError
 from areal_jax.data.packing import (
+    AUTO_TOKEN_BUDGET,
     ROW_LENGTHS,
     PackingConfig,
     PackPlan,
@@ -144,13 +145,15 @@ def test_chosen_bucket_has_the_least_padding_and_mini_batches_share_it(seed):
     assert sum(plan.capacity for plan in plans) == brute_force_capacity(lengths_P, cfg)
 
 
-def test_issue_workload_packs_at_least_90_percent_with_the_default_config():
+@pytest.mark.parametrize("platform, microbatches", [("cpu", 8), ("tpu", 1)])
+def test_issue_workload_packs_at_least_90_percent_with_the_default_config(platform: str, microbatches: int):
     """8 prompts x 8 samples of `NN+NN=` (6 tokens) and exactly 64 new tokens: 64 sequences of 70 tokens, 69
-    positions each after the shift. The old fixed shape (rows of token_budget / rows) wasted 46% of the slots."""
-    cfg = PackingConfig()
+    positions each after the shift. The old fixed shape (rows of token_budget / rows) wasted 46% of the slots.
+    On CPU the default budget makes micro-batches of ~1k tokens, on accelerators one holds the batch."""
+    cfg = PackingConfig().resolved(platform, 70)
     plan = pack_sequences(np.full(64, 69), cfg)
     assert plan.num_tokens / plan.capacity >= 0.9
-    assert plan.num_microbatches == 1
+    assert plan.num_microbatches == microbatches
     rows_needed = first_fit_decreasing(np.full(64, 69), cfg.row_length).num_rows
     old_capacity = -(-rows_needed // cfg.rows) * cfg.token_budget
     assert plan.num_tokens / old_capacity < 0.6
@@ -195,7 +198,7 @@ def test_microbatch_count_comes_from_a_small_fixed_set(rounding, multiple, allow
 
 def test_no_new_compilation_once_the_workload_buckets_are_warm():
     """Batches of one workload land in one bucket: the jitted step compiles for the first and never again."""
-    cfg = PackingConfig()
+    cfg = PackingConfig().resolved("cpu", 70)
     step = jax.jit(lambda seg, pos: jnp.sum(jnp.where(seg > 0, pos, 0)))
 
     def run(seed: int) -> None:
@@ -232,6 +235,18 @@ def test_config_validation_names_the_key():
         PackingConfig(microbatch_rounding="pow2", microbatch_multiple=2)
     with pytest.raises(ConfigError, match="rows: value 0 is out of range"):
         PackingConfig(rows=0)
+
+
+def test_auto_token_budget_per_platform_fits_the_longest_sample():
+    auto = PackingConfig(rows=8)
+    assert auto.resolved("cpu").token_budget == AUTO_TOKEN_BUDGET["cpu"] == 1024
+    assert auto.resolved("gpu").token_budget == auto.resolved("tpu").token_budget == AUTO_TOKEN_BUDGET["accelerator"]
+    longer = auto.resolved("cpu", longest=300)  # a row must hold the longest sample
+    assert (longer.token_budget, longer.row_length) == (2400, 300)
+    assert PackingConfig(token_budget=64, rows=2).resolved("cpu", longest=300).token_budget == 64  # set by hand
+    assert PackingConfig(rows=3).resolved("cpu").token_budget % 3 == 0
+    with pytest.raises(ValueError, match="resolve it"):
+        _ = auto.row_length
 
 
 def test_fixed_count_baseline():

@@ -87,7 +87,7 @@ def _steps() -> dict[str, TrainStep]:
             single_device_mesh(),
             temperature=TEMPERATURE,
         )
-        for method in METHODS
+        for method in (*METHODS, "auto")
     }
 
 
@@ -97,7 +97,8 @@ def steps():
 
 
 def test_on_policy_tokens_every_method_equals_recompute(steps):
-    """Tokens sampled by the trainer's own version with its own log-probs: every method's update is recompute's."""
+    """Tokens sampled by the trainer's own version with its own log-probs: every method's update is recompute's,
+    auto's too when the trainer skips the proximal pass (logp_prox None)."""
     _, state = tiny_model_state()
     version = 3
     (batch,) = build_batch(
@@ -111,15 +112,15 @@ def test_on_policy_tokens_every_method_equals_recompute(steps):
         versions=np.where(batch.loss_mask, version, -1).astype(np.int32),
     )
     results = {}
-    for method in ("recompute", *APPROXIMATIONS):
+    for method in ("recompute", *APPROXIMATIONS, "auto"):
         step = steps[method]
         params, opt_state = step.init(state)
         device_batch = step.put_batch(on_policy)
-        logp_prox = step.logprobs(params, device_batch) if step.needs_prox_pass else None
+        logp_prox = step.logprobs(params, device_batch) if step.needs_prox_pass and method != "auto" else None
         new_params, _, stats = step.update(params, opt_state, device_batch, logp_prox, version)
         results[method] = (jax.device_get(new_params), jax.device_get(stats))
     ref_params, ref_stats = results["recompute"]
-    for method in APPROXIMATIONS:
+    for method in (*APPROXIMATIONS, "auto"):
         new_params, stats = results[method]
         assert float(stats["train/loss"]) == pytest.approx(float(ref_stats["train/loss"]), abs=1e-7), method
         for leaf, ref in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params), strict=True):

@@ -16,6 +16,7 @@ from areal_jax.data.rollout_log_reader import read_shard
 from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.jsonl import read_jsonl
 from areal_jax.models.tokenizer import load_tokenizer
+from tests.dynamic_sampling_rewards import never_rewarded
 from tests.tiny_hf_run import make_tiny_hf_run
 
 RECIPES = sorted(Path("configs/recipes").glob("*.yaml"))
@@ -84,6 +85,23 @@ def test_deepcoder_recipe_trains_with_the_code_reward(tmp_path, tiny):
     trained = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
     known = {r.id for r in load_prompts(DatasetConfig(path=str(tiny.deepcoder), mapping="deepcoder"))}
     assert {p for row in trained for _, p in row["groups"]} <= known
+
+
+def test_dapo_recipe_drops_uniform_groups_and_shapes_overlong_answers(tmp_path, tiny):
+    # a tiny random model earns no math reward: a reward that half the prompts can never earn gives both kinds
+    reward = "reward.kind=tests.dynamic_sampling_rewards:half_uniform"
+    run_dir = _train(
+        tmp_path, "r1_distill_qwen_1p5b_deepscaler_dapo_smoke", tiny.checkpoint, tiny.gsm8k, "gsm8k", reward
+    )
+    log = run_dir / "rollout_log"
+    trajectories = [entry.trajectory for shard in list_shards(log) for entry in read_shard(log, shard)[0]]
+    untrained = {t.prompt_id for t in trajectories if not t.trains}
+    assert untrained and all(never_rewarded(p) for p in untrained)
+    trained = {g for row in read_jsonl(run_dir / "trained_groups.jsonl") for g, _ in row["groups"]}
+    assert trained and not trained & {t.group_id for t in trajectories if not t.trains}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    # 16 new tokens at most, the last 8 penalised: a random model's answers run long
+    assert all(m["adv/overlong_frac"] > 0 and m["adv/overlong_penalty_mean"] < 0 for m in metrics)
 
 
 def test_multi_turn_math_recipe_trains(tmp_path, tiny):

@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.config import load_experiment
+from areal_jax.data.rollout_log_reader import logged_groups
 from areal_jax.data.tasks import TaskStream, arithmetic_records
 from areal_jax.exit_codes import EXIT_RESUMABLE
 from areal_jax.jsonl import read_jsonl
@@ -49,6 +50,12 @@ RUN = [
     "dataset.heldout=0",  # every prompt is trained
 ]
 
+
+DYNAMIC = [
+    "rollout.dynamic_sampling.enabled=true",
+    "reward.kind=tests.dynamic_sampling_rewards:half_uniform",
+    "rollout.workflow.truncation=keep",  # a truncated sample would be penalised to the same reward
+]
 
 SHAPES = {
     "one process": (["train"], None),
@@ -140,3 +147,27 @@ def test_killed_and_resumed_system_trains_every_prompt_once_in_the_same_order(tm
     assert all(m["rollout/staleness_max"] <= ETA for m in metrics)
     _, model = load_hf_checkpoint(run_dir / "hf_final")
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_killed_and_resumed_run_with_dynamic_sampling_trains_each_usable_prompt_once(tmp_path):
+    """DAPO dynamic sampling across a SIGKILL: even prompts never earn a reward (uniform groups: logged
+    untrained, replaced), odd ones train; each group id ends either trained once or logged untrained."""
+    run_dir, extra = tmp_path / "b" / "async-arithmetic", DYNAMIC
+    process = _start("one process", tmp_path / "b", *extra)
+    _run_until(process, run_dir, 3, random.Random(3).uniform(0.0, 0.5))
+    _kill(process)
+    process = _start("one process", tmp_path / "b", "--resume", *extra)
+    assert process.wait(timeout=300) == 0, _output(process)
+
+    got = _trained(run_dir)
+    trained = [g for _, g, _ in got]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    untrained = {g for g, trains in logged_groups(run_dir / "rollout_log").items() if not trains}
+    assert not untrained & set(trained) and untrained | set(trained) == set(range(PROMPTS))
+    expected = _uninterrupted_prompts()
+    assert {g: p for _, g, p in got} == {g: expected[g] for g in trained}
+    assert all(int(p.split("-")[1]) % 2 for _, _, p in got)  # only prompts that can earn different rewards
+    assert {expected[g] for g in untrained} >= {f"arith-{i}" for i in range(0, PROMPTS, 2)}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [int(m["train/version"]) for m in metrics] == list(range(1, len(metrics) + 1))  # each step once
+    assert all(m["rollout/staleness_max"] <= ETA for m in metrics)

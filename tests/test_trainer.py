@@ -122,6 +122,8 @@ def test_no_recompilation_once_the_workload_bucket_is_warm():
     rng = np.random.default_rng(10)
     stats = trainer.step(_workload(rng, (64, 64)))
     assert stats["batch/pack_efficiency"] >= 0.9
+    # one mini-batch: auto's only update takes log pi_prox from its own forward, on- or off-policy alike
+    assert stats["prox/pass_minibatches"] == 0 and stats["prox/skipped"] == 0
     compiles = []
 
     def listener(event: str, seconds: float, **kwargs) -> None:

@@ -27,16 +27,21 @@ from areal_jax.configuration import Config, ConfigError, option
 # Row lengths of the buckets: 1..15, then m * 2^e for m in 8..15 (8 per octave, adjacent ones <= 12.5% apart);
 # from 64 on they are multiples of 8, from 1024 on multiples of 128.
 ROW_LENGTHS = tuple(sorted({*range(1, 16), *(m << e for m in range(8, 16) for e in range(1, 24))}))
+# `token_budget: auto` per platform, before it is raised to fit the longest sample
+AUTO_TOKEN_BUDGET = {"cpu": 1024, "accelerator": 16384}
 
 
 @dataclasses.dataclass(frozen=True)
 class PackingConfig(Config):
     """The buckets the packed micro-batches are shaped from, the memory cap, and how their count is rounded."""
 
-    token_budget: int = option(
-        8192,
+    token_budget: int | Literal["auto"] = option(
+        "auto",
         gt=0,
-        doc="memory cap: token slots (rows * row length) of one micro-batch; each step's shape is chosen under it",
+        doc="memory cap: token slots (rows * row length) of one micro-batch; each step's shape is chosen under it. "
+        f"auto: about {AUTO_TOKEN_BUDGET['cpu']} on CPU (a micro-batch whose activations stay in the cache: "
+        f"docs/benchmarks.md), {AUTO_TOKEN_BUDGET['accelerator']} on TPU/GPU, raised to rows x the run's "
+        "longest sample when that is more",
     )
     rows: int = option(
         8,
@@ -64,7 +69,8 @@ class PackingConfig(Config):
     )
 
     def validate(self) -> None:
-        if self.token_budget % self.rows:
+        budget_set = self.token_budget != "auto"  # auto is chosen to fit: `resolved`
+        if budget_set and self.token_budget % self.rows:
             raise ConfigError("token_budget", f"{self.token_budget} is not divisible by rows={self.rows}")
         if self.microbatch_rounding == "pow2" and self.microbatch_multiple != 1:
             raise ConfigError(
@@ -72,15 +78,26 @@ class PackingConfig(Config):
             )
         if self.min_rows is not None and self.min_rows > self.rows:
             raise ConfigError("min_rows", f"value {self.min_rows} exceeds rows={self.rows} (the longest row's count)")
-        if self.min_row_length > self.row_length:
+        if budget_set and self.min_row_length > self.row_length:
             raise ConfigError(
                 "min_row_length",
                 f"value {self.min_row_length} exceeds the longest row, token_budget / rows = {self.row_length}",
             )
 
+    def resolved(self, platform: str, longest: int = 0) -> PackingConfig:
+        """This config with `token_budget: auto` chosen for `platform` ('cpu', 'gpu', 'tpu'): the platform's
+        budget, raised so a row holds a sample of `longest` tokens (and divisible by `rows`)."""
+        if self.token_budget != "auto":
+            return self
+        target = AUTO_TOKEN_BUDGET["cpu" if platform == "cpu" else "accelerator"]
+        row_length = max(-(-target // self.rows), longest, self.min_row_length)
+        return self.replace(token_budget=self.rows * row_length)
+
     @property
     def row_length(self) -> int:
         """The longest row of any bucket (and so the longest sequence that can be packed)."""
+        if self.token_budget == "auto":
+            raise ValueError("packing.token_budget is 'auto': resolve it with PackingConfig.resolved(platform) first")
         return self.token_budget // self.rows
 
     def row_lengths(self, longest: int) -> list[int]:

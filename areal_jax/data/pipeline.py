@@ -6,7 +6,8 @@
                           above the bound are dropped and counted (kept/dropped histograms in the state)
       -> group assembly    a prompt's `group_size` samples, in any arrival order, are emitted together
                           (sorted by sample index) once all have arrived; a group that lost samples to
-                          the filter is emitted only if at least `min_group_size` are left
+                          the filter is emitted only if at least `min_group_size` are left; a group
+                          logged but kept out of training (`Trajectory.trains`) is skipped and counted
       -> batch             `groups_per_batch` groups as one flat list of trajectories (groups contiguous),
                           what one `Trainer.step` trains on
 
@@ -202,7 +203,7 @@ class _GroupIterator(grain.DatasetIterator):
         super().__init__(parent)
         self._ds = dataset
         self._open: collections.OrderedDict[tuple[str, int], _OpenGroup] = collections.OrderedDict()
-        self._counts = {"emitted": 0, "dropped_groups": 0, "duplicates": 0, "evicted": 0}
+        self._counts = {"emitted": 0, "dropped_groups": 0, "duplicates": 0, "evicted": 0, "untrained_groups": 0}
 
     def __next__(self) -> list[Trajectory]:
         while True:
@@ -234,10 +235,13 @@ class _GroupIterator(grain.DatasetIterator):
             if len(group.entries) + len(group.dropped) < self._ds.group_size:
                 continue
             del self._open[key]
-            if len(group.entries) >= self._ds.min_group_size:
+            if not all(e.trajectory.trains for e in group.entries):  # logged, kept out of training
+                self._counts["untrained_groups"] += 1
+            elif len(group.entries) >= self._ds.min_group_size:
                 self._counts["emitted"] += 1
                 return sorted((e.trajectory for e in group.entries), key=lambda t: t.sample_index)
-            self._counts["dropped_groups"] += 1
+            else:
+                self._counts["dropped_groups"] += 1
 
     def _evict_if_full(self) -> None:
         while len(self._open) > self._ds.max_pending_groups:
@@ -263,7 +267,7 @@ class _GroupIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parent.set_state(state["parent"])
-        self._counts = {key: int(state[key]) for key in self._counts}
+        self._counts = {key: int(state.get(key, 0)) for key in self._counts}  # older states lack new counters
         positions = [(str(name), int(index)) for _, _, entries, _ in state["open_groups"] for name, index in entries]
         fetched = iter(self._ds.fetch(positions))
         self._open = collections.OrderedDict()
@@ -325,7 +329,10 @@ def pipeline_stats(state: dict[str, Any]) -> dict[str, Any]:
         "samples_dropped": sum(dropped.values()),
         "kept_by_staleness": kept,
         "dropped_by_staleness": dropped,
-        **{key: _find(state, key) or 0 for key in ("emitted", "dropped_groups", "evicted", "duplicates")},
+        **{
+            key: _find(state, key) or 0
+            for key in ("emitted", "dropped_groups", "untrained_groups", "evicted", "duplicates")
+        },
         "unreadable": _find(state, "problems") or 0,
     }
 

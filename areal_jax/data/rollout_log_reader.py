@@ -226,19 +226,22 @@ def _read_one(
         return None
 
 
-def logged_group_ids(directory: str | os.PathLike[str]) -> set[int]:
-    """The group ids of every readable record in the committed shards of `directory` (a restarted rollout
-    server's view of which of its groups were written). On gs:// the shards (one per group) are fetched
-    `_REMOTE_READERS` at a time: one after another, a long run's would take minutes."""
+def logged_groups(directory: str | os.PathLike[str]) -> dict[int, bool]:
+    """The group ids of every readable record in the committed shards of `directory`, each with whether it
+    trains (False: logged but kept out of training, `Trajectory.trains`): a restarted rollout server's view
+    of which of its groups were written. On gs:// the shards (one per group) are fetched `_REMOTE_READERS` at
+    a time: one after another, a long run's would take minutes."""
 
-    def group_ids(shard: ShardName) -> set[int]:
-        return {entry.trajectory.group_id for entry in read_shard(directory, shard)[0]}
+    def groups(shard: ShardName) -> dict[int, bool]:
+        return {entry.trajectory.group_id: entry.trajectory.trains for entry in read_shard(directory, shard)[0]}
 
     shards = list_shards(directory)
     if not storage.is_remote(directory):
-        return set().union(*map(group_ids, shards))
-    with concurrent.futures.ThreadPoolExecutor(_REMOTE_READERS) as pool:
-        return set().union(*pool.map(group_ids, shards))
+        found = list(map(groups, shards))
+    else:
+        with concurrent.futures.ThreadPoolExecutor(_REMOTE_READERS) as pool:
+            found = list(pool.map(groups, shards))
+    return {group: trains for part in found for group, trains in part.items()}
 
 
 def read_positions(directory: str | os.PathLike[str], positions: Iterable[tuple[str, int]]) -> list[LogEntry]:

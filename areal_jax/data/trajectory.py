@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 
 SCHEMA_VERSION = 1
+# metadata key of a sample the rollout side logged but kept out of training, with the reason as its value
+# (`rollout.dynamic_sampling`: its group's rewards were all equal); the pipeline skips such groups
+NOT_TRAINED = "not_trained"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,11 @@ class Trajectory:
             raise ValueError(
                 f"trajectory {self.prompt_id}/{self.sample_index}: prompt_length {self.prompt_length} outside (0, {n}]"
             )
+
+    @property
+    def trains(self) -> bool:
+        """False for a sample logged but kept out of training (`NOT_TRAINED` in its metadata)."""
+        return NOT_TRAINED not in self.metadata
 
     @property
     def length(self) -> int:

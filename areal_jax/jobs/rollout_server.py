@@ -378,6 +378,7 @@ class _Serving:
                 **self.weights,
                 "accepted": side.controller.stats.accepted,
                 "failed": side.controller.stats.failed,
+                "untrained": side.controller.stats.dropped,
                 "next_group_id": side.next_group_id,
                 "queue": side.generator.num_in_flight(),
                 "pid": os.getpid(),

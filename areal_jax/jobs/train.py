@@ -144,9 +144,10 @@ def train(
         stream = build_task_stream(cfg, train_prompts)
         trainer = Trainer(
             model,
-            cfg.trainer,
+            cfg.trainer.replace(packing=cfg.packing_on(trainer_mesh.devices.flat[0].platform)),
             trainer_mesh,
             temperature=cfg.rollout.workflow.sampling.temperature,
+            max_new_tokens=cfg.rollout.workflow.sampling.max_new_tokens,
             reference_params=nnx.state(model) if cfg.trainer.uses_reference else None,  # the starting policy
         )
         model = abstract_like(model)  # the trainer holds its own copy: the loaded arrays are freed

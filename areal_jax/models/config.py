@@ -23,6 +23,11 @@ def auto_compute_dtype(platform: str | None = None) -> str:
     return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
+# `scan_layers: auto` unrolls models this shallow on CPU: their compile time stays short, and the train step
+# skips the per-layer weight copies out of the stack (benchmarks/e2e.py's 4-layer workload)
+UNROLL_MAX_LAYERS_CPU = 8
+
+
 # The fp32 logits one log-prob chunk builds at once, when `logprob_chunk` is null.
 LOGITS_CHUNK_BYTES = 256 * 2**20
 
@@ -86,11 +91,12 @@ class ModelConfig(Config):
         "bf16 matmul operands to f32: slower and larger there)",
     )
     remat: Literal["none", "full", "dots"] = option("none", doc="rematerialise each layer in the backward pass")
-    scan_layers: bool = option(
-        True,
-        doc="run the stacked layers as one lax.scan (compile time independent of depth); false unrolls them, "
-        "so XLA:CPU neither copies each layer's weights out of the stack nor stacks their gradients (faster "
-        "train steps for shallow models on CPU: docs/benchmarks.md), compile time growing with depth",
+    scan_layers: bool | Literal["auto"] = option(
+        "auto",
+        doc="true: run the stacked layers as one lax.scan (compile time independent of depth); false: unroll "
+        "them, so XLA:CPU neither copies each layer's weights out of the stack nor stacks their gradients "
+        "(faster train steps for shallow models on CPU: docs/benchmarks.md), compile time growing with depth. "
+        f"auto: unroll on CPU up to {UNROLL_MAX_LAYERS_CPU} layers, scan otherwise (and on TPU/GPU)",
     )
     logprob_chunk: int | None = option(
         None,
@@ -140,6 +146,13 @@ class ModelConfig(Config):
     def compute_dtype_on(self, platform: str | None = None) -> str:
         """`compute_dtype` with auto resolved for `platform` (default: JAX's default backend)."""
         return auto_compute_dtype(platform) if self.compute_dtype == "auto" else self.compute_dtype
+
+    def scans_layers(self, platform: str | None = None) -> bool:
+        """`scan_layers` with auto resolved for `platform` (default: JAX's default backend)."""
+        if self.scan_layers != "auto":
+            return self.scan_layers
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        return not (on_cpu and self.num_layers <= UNROLL_MAX_LAYERS_CPU)
 
     @property
     def compute_jnp_dtype(self) -> jnp.dtype:

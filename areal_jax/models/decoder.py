@@ -181,7 +181,7 @@ class Decoder(nnx.Module):
         self, body: Callable[[Any, DecoderLayer, jax.Array], tuple[Any, Any]], carry: Any
     ) -> tuple[Any, Any]:
         """Run `body(carry, layer, layer_index)` over the stacked layers with `lax.scan` (unrolled unless
-        `scan_layers`)."""
+        `scans_layers()`)."""
         graphdef, state = nnx.split(self.layers)
 
         def step(carry: Any, xs: tuple[nnx.State, jax.Array]) -> tuple[Any, Any]:
@@ -191,7 +191,7 @@ class Decoder(nnx.Module):
         if self.config.remat != "none":
             step = jax.checkpoint(step, policy=_REMAT_POLICIES[self.config.remat])
         layers = (state, jnp.arange(self.config.num_layers))
-        return jax.lax.scan(step, carry, layers, unroll=not self.config.scan_layers)
+        return jax.lax.scan(step, carry, layers, unroll=not self.config.scans_layers())
 
     def _run_rows(
         self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array, keep_kv: bool

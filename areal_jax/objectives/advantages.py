@@ -8,12 +8,14 @@ Per sequence i in group g(i), over the valid sequences only:
   std_i = population std (ddof 0) of r over i's std level, or (level none) no division
   A_i = (r_i - baseline_i) / (std_i + eps)
 Every token of sequence i gets A_i.
+DAPO's overlong shaping (`overlong_penalty`, host-side) is added to reward_i before all of this.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from areal_jax.objectives.config import AdvantageConfig, NormLevel
 from areal_jax.objectives.stats import safe_div
@@ -25,6 +27,16 @@ def shape_rewards(reward_N: jax.Array, config: AdvantageConfig) -> jax.Array:
     if config.reward_clip is not None:
         shaped_N = jnp.clip(shaped_N, -config.reward_clip, config.reward_clip)
     return shaped_N
+
+
+def overlong_penalty(length_N: np.ndarray, max_length: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (Eq. 13) of responses of `length_N` tokens, capped at max_length:
+    -penalty * min(max(0, len - (max_length - buffer)) / buffer, 1); all 0 when buffer is 0."""
+    length_N = np.asarray(length_N, np.float64)
+    if buffer == 0:
+        return np.zeros(length_N.shape)
+    excess_N = np.clip(length_N - (max_length - buffer), 0.0, buffer)
+    return -penalty * excess_N / buffer
 
 
 def _level_sum(x_N: jax.Array, level: NormLevel, group_id_N: jax.Array, num_groups: int) -> jax.Array:

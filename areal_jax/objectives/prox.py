@@ -2,7 +2,9 @@
 
 Decoupled PPO needs log pi_prox, the log-prob under the weights the step starts from. `recompute` takes it
 from a forward pass over the whole batch (a quarter of a step's FLOPs); the approximations read only what
-the update has anyway. Per token, with V the trainer's version during the step and v the token's version:
+the update has anyway; `auto` (the default) decides per step on the host: `rollout`, exact, when every loss
+token of the step was sampled by the step's starting weights (v = V), `recompute` otherwise. Per token, with V
+the trainer's version during the step and v the token's version:
 
   rollout:    log pi_prox ~= log pi_behav                 exact where v = V (the step's weights sampled it)
   loglinear:  log pi_prox ~= log pi_behav + alpha * (sg(log pi_theta) - log pi_behav)
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 from areal_jax.objectives.stats import count_loss_tokens, masked_mean
 
-ProxLogpMethod = Literal["recompute", "rollout", "loglinear", "metrics"]
+ProxLogpMethod = Literal["auto", "recompute", "rollout", "loglinear", "metrics"]
 APPROXIMATIONS: tuple[ProxLogpMethod, ...] = ("rollout", "loglinear")
 
 

@@ -158,7 +158,7 @@ def trainer_items(
     """Per trainer device: the state, the largest micro-batch's activations, logits, temporaries."""
     param_shards = _shards(mesh_shape, "fsdp", "tensor")
     params = model.num_params() * _bytes(model.param_dtype) // param_shards
-    packing = cfg.trainer.packing
+    packing = cfg.packing_on(platform)
     batch_shards = _shards(mesh_shape, "data", "fsdp")
     rows = max(1, packing.rows // batch_shards)
     tokens = rows * packing.row_length

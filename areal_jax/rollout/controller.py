@@ -4,7 +4,9 @@ A background thread runs an asyncio loop. It admits one prompt at a time through
 `StalenessManager` (blocking while the bound is reached), takes the next `(group_id, task)` pair from
 `tasks` (the task source decides group ids, so a resumed run can re-issue lost groups), starts
 `workflow.run(generator, task, group_id)` as a task, and when a group finishes hands its trajectories to
-`sink` (the rollout log's writer, or any callable) and reports the prompt accepted; a failed workflow is
+`sink` (the rollout log's writer, or any callable) and reports the prompt accepted; a group dynamic sampling
+drops (`rollout/dynamic_sampling.py`) is handed on marked untrained and reported rejected, so another prompt
+takes its place; a failed workflow is
 logged and reported rejected, so capacity is never leaked; past the `FailureBudget` the controller stops
 admitting, records a `RolloutFailure` in `failure` and calls `on_failure`. When `tasks` runs out, the running groups are
 finished and `exhausted` is set. `stop()` stops admitting, cancels running workflows (which abort their
@@ -22,6 +24,7 @@ from typing import Any
 
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
+from areal_jax.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, marked_untrained
 from areal_jax.rollout.failures import FailureBudget, FailureBudgetConfig, RolloutFailure
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.workflow import RolloutWorkflow
@@ -33,6 +36,7 @@ logger = logging.getLogger(__name__)
 class ControllerStats:
     started: int = 0
     accepted: int = 0
+    dropped: int = 0  # by dynamic sampling: logged, not trained
     failed: int = 0
     trajectories: int = 0
 
@@ -49,6 +53,7 @@ class RolloutController:
         sink: Callable[[list[Trajectory]], None],
         failures: FailureBudgetConfig | None = None,
         on_failure: Callable[[], None] | None = None,
+        dynamic_sampling: DynamicSamplingConfig | None = None,
     ):
         self.generator = generator
         self.workflow = workflow
@@ -59,6 +64,7 @@ class RolloutController:
         self.exhausted = threading.Event()  # set once `tasks` ran out and every admitted group ended
         self.failure: RolloutFailure | None = None  # set when failing rollouts spent the budget
         self._budget = FailureBudget(failures or FailureBudgetConfig())
+        self._sampler = DynamicSampler(dynamic_sampling or DynamicSamplingConfig())
         self._on_failure = on_failure
         self._next_group_id = 0
         self._stopping = threading.Event()
@@ -119,28 +125,34 @@ class RolloutController:
                 await asyncio.gather(*running, return_exceptions=True)
 
     async def _one(self, task: Any, group_id: int) -> None:
-        accepted = False
+        handed_on = dropped = False
         try:
             trajectories = await self.workflow.run(self.generator, task, group_id)
+            if dropped := self._sampler.drops(trajectories):
+                trajectories = marked_untrained(trajectories)
             handoff = asyncio.ensure_future(asyncio.to_thread(self.sink, trajectories))
             try:
                 await asyncio.shield(handoff)
             except asyncio.CancelledError:
                 # a hand-over that started always completes and is counted, or the bound would drift
                 await asyncio.wait([handoff])
-                accepted = handoff.exception() is None
+                handed_on = handoff.exception() is None
                 raise
-            accepted = True
+            handed_on = True
         except asyncio.CancelledError:
             raise
         except Exception as err:
             self._failed(err, f"task {getattr(task, 'id', task)} (group {group_id})")
         finally:
-            if accepted:
+            if handed_on:
                 self._budget.succeeded()
-                self.stats.accepted += 1
+                self.stats.dropped += dropped
+                self.stats.accepted += not dropped
                 self.stats.trajectories += len(trajectories)
-            self.staleness.finish(accepted=accepted)
+            # a dropped group counts as rejected: the trainer never consumes it, so its place admits another
+            self.staleness.finish(accepted=handed_on and not dropped)
+        if handed_on and dropped and (stop := self._sampler.exhausted()) is not None:
+            self._stop_with(stop)
 
     def _failed(self, error: Exception, where: str) -> None:
         self.stats.failed += 1
@@ -149,10 +161,15 @@ class RolloutController:
         stop = self._budget.failed_with(error, where)
         if self._budget.failed == 1:
             logger.error("the first failure's traceback:\n%s", self._budget.first_failure)
-        if stop is not None and self.failure is None:
-            logger.error("stopping the rollouts: %s", stop)
-            self.failure = stop
-            self._stopping.set()
-            self.staleness.close()
-            if self._on_failure is not None:
-                self._on_failure()
+        if stop is not None:
+            self._stop_with(stop)
+
+    def _stop_with(self, failure: RolloutFailure) -> None:
+        if self.failure is not None:
+            return
+        logger.error("stopping the rollouts: %s", failure)
+        self.failure = failure
+        self._stopping.set()
+        self.staleness.close()
+        if self._on_failure is not None:
+            self._on_failure()

@@ -50,19 +50,22 @@ class ResumePoint:
 
     reissue: tuple[int, ...]
     next_group_id: int
-    written: int  # its groups in the log: what its staleness count starts from
+    written: int  # its groups in the log that train: what its staleness count starts from
 
 
-def resume_point(written_group_ids: Iterable[int], server: int, servers: int) -> ResumePoint:
+def resume_point(
+    written_group_ids: Iterable[int], server: int, servers: int, untrained: Iterable[int] = ()
+) -> ResumePoint:
     """From the group ids present in the log: server `server`'s ids below its highest written one that are
     missing (in flight when it died, or set aside by a trainer resume) are issued again, then new ids go on
-    after the highest."""
+    after the highest. Groups logged but kept out of training (`untrained`: dynamic sampling) are not issued
+    again and do not count in its staleness count."""
     mine = sorted({g for g in written_group_ids if owns_group(g, server, servers)})
     if not mine:
         return ResumePoint((), server, 0)
     present = set(mine)
     reissue = tuple(g for g in range(server, mine[-1], servers) if g not in present)
-    return ResumePoint(reissue, mine[-1] + servers, len(mine))
+    return ResumePoint(reissue, mine[-1] + servers, len(present - set(untrained)))
 
 
 def server_group_ids(point: ResumePoint, servers: int, end: int) -> Iterator[int]:

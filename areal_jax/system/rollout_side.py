@@ -23,7 +23,7 @@ from typing import Any
 from areal_jax.config import ExperimentConfig
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, new_writer_id
-from areal_jax.data.rollout_log_reader import logged_group_ids
+from areal_jax.data.rollout_log_reader import logged_groups
 from areal_jax.data.tasks import TaskStream
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.serving_engine import ServingEngine
@@ -104,6 +104,7 @@ class RolloutSide:
         stats = {f"generator/{k}": float(v) for k, v in dataclasses.asdict(self.generator.stats).items()}
         stats[QUEUE] = float(self.generator.num_in_flight())  # requests submitted and not yet answered
         stats["rollout/failed_total"] = float(self.controller.stats.failed)
+        stats["rollout/untrained_groups_total"] = float(self.controller.stats.dropped)  # dynamic sampling
         return stats
 
     @property
@@ -112,7 +113,7 @@ class RolloutSide:
 
     @property
     def groups_written(self) -> int:
-        """Its groups in the log: before it started and since."""
+        """Its groups in the log that train (not dropped by dynamic sampling): before it started and since."""
         return self.point.written + self.controller.stats.accepted
 
 
@@ -136,7 +137,8 @@ def open_rollout_side(
     del params  # the engine has its copy: a reference here would pin the first version for the whole run
     engine.warmup(loaded)
     log_dir = cfg.layout.rollout_log
-    point = resume_point(logged_group_ids(log_dir), server, servers)
+    logged = logged_groups(log_dir)
+    point = resume_point(logged, server, servers, untrained=[g for g, trains in logged.items() if not trains])
     staleness = StalenessManager(cfg.rollout.staleness, version, server=server, servers=servers)
     staleness.restore(point.written, 0, version)
     logger.info(
@@ -156,7 +158,14 @@ def open_rollout_side(
     try:
         with generator:
             controller = RolloutController(
-                generator, workflow, tasks, staleness, sink, failures=cfg.rollout.failures, on_failure=on_failure
+                generator,
+                workflow,
+                tasks,
+                staleness,
+                sink,
+                failures=cfg.rollout.failures,
+                on_failure=on_failure,
+                dynamic_sampling=cfg.rollout.dynamic_sampling,
             ).start()
             try:
                 yield RolloutSide(cfg, server, point, generator, staleness, controller, workflow, heldout)

@@ -40,8 +40,9 @@ def reward_stats(trajectories: list[Trajectory], version: int) -> dict[str, floa
 def monitor_logprobs(cfg: ExperimentConfig, stats: dict[str, float]) -> None:
     """Sampler vs trainer log-probs on the tokens the trainer's current version sampled (staleness 0): the
     same weights on both sides, so any gap is numerics (dtype, kernels, masking). Adds `monitor/...`."""
-    if not cfg.trainer.ppo.needs_prox_pass:
-        return  # no trainer log-prob pass: the proximal log-probs are the sampler's own, nothing to compare
+    if not cfg.trainer.ppo.needs_prox_pass or stats.get("prox/skipped"):
+        # no trainer log-prob pass (this step): the proximal log-probs are the sampler's own, nothing to compare
+        return
     tokens = stats.get("staleness/0/n_tokens", 0.0)
     if not tokens:
         return  # every token came from an older version (eta > 0 at steady state)

@@ -27,7 +27,7 @@ import numpy as np
 
 from areal_jax.data.packing import PackPlan, plan_minibatches
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.objectives.advantages import sequence_advantages
+from areal_jax.objectives.advantages import overlong_penalty, sequence_advantages
 from areal_jax.objectives.config import AdvantageConfig
 from areal_jax.objectives.stats import count_loss_tokens
 from areal_jax.trainer.config import TrainerConfig
@@ -145,9 +145,15 @@ def _write_minibatch(
 
 
 def build_batch(
-    trajectories: Sequence[Trajectory], config: TrainerConfig, planner: Planner | None = None
+    trajectories: Sequence[Trajectory],
+    config: TrainerConfig,
+    planner: Planner | None = None,
+    max_new_tokens: int | None = None,
 ) -> TrainBatch:
     """Shift, score and pack `trajectories` into `config.ppo_minibatches` mini-batches of one [M, B, L] shape.
+
+    With `advantage.overlong_buffer` > 0 each reward first gets DAPO's overlong penalty (`overlong_penalty`) of
+    its response length (tokens after the prompt) against `max_new_tokens`, the sampler's cap (then required).
 
     By default all mini-batches are packed into the one bucket of `config.packing` with the least padding
     (`plan_minibatches`). A `planner` instead maps the packed lengths (T - 1 per trajectory) of one mini-batch
@@ -164,6 +170,20 @@ def build_batch(
             "(a prompt token and a predicted token)"
         )
     rewards_N = np.asarray([t.reward for t in trajectories], np.float32)
+    overlong_stats = {}
+    if config.advantage.overlong_buffer > 0:
+        if max_new_tokens is None:
+            raise ValueError("advantage.overlong_buffer is > 0 but max_new_tokens is None; pass the sampler's cap")
+        response_N = np.asarray([t.length - t.prompt_length for t in trajectories])
+        penalty_N = overlong_penalty(
+            response_N, max_new_tokens, config.advantage.overlong_buffer, config.advantage.overlong_penalty
+        )
+        rewards_N = (rewards_N + penalty_N).astype(np.float32)
+        overlong_N = response_N > max_new_tokens - config.advantage.overlong_buffer
+        overlong_stats = {
+            "adv/overlong_frac": float(overlong_N.mean()),
+            "adv/overlong_penalty_mean": float(penalty_N.mean()),
+        }
     group_ids_N = np.asarray([t.group_id for t in trajectories], np.int64)
     adv_N, adv_stats = advantages_of(rewards_N, group_ids_N, config.advantage)
     lengths_N = np.asarray([t.length - 1 for t in trajectories], np.int64)
@@ -185,6 +205,7 @@ def build_batch(
     capacity = len(minibatches) * m * b * length
     stats = {
         **adv_stats,
+        **overlong_stats,
         "batch/sequences": float(len(trajectories)),
         "batch/tokens": float(num_tokens),
         "batch/loss_tokens": float(sum(count_loss_tokens(mb.loss_mask) for mb in minibatches)),

@@ -61,9 +61,11 @@ class OptimizerConfig(Config):
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig(Config):
-    """The trainer: one step = advantages, the proximal log-prob pass (unless `ppo.prox_logp_method`
-    approximates it) and, with a KL coefficient > 0, the reference one, then `ppo_minibatches` optimizer
-    updates. A KL coefficient > 0 needs the `Trainer` to be given the reference policy's params."""
+    """The trainer: one step = advantages (with DAPO's overlong shaping when `advantage.overlong_buffer` > 0),
+    the proximal log-prob pass (unless `ppo.prox_logp_method` approximates it, or with auto the step is
+    on-policy) and, with a KL coefficient > 0, the reference one, then `ppo_minibatches` optimizer updates.
+    A KL coefficient > 0 needs the `Trainer` to be given the reference policy's params, an overlong buffer
+    the sampler's max_new_tokens."""
 
     optimizer: OptimizerConfig = option(default_factory=OptimizerConfig, doc="AdamW, clipping and lr schedule")
     ppo_minibatches: int = option(
@@ -77,6 +79,12 @@ class TrainerConfig(Config):
         gt=0,
         doc="warn when tokens sampled by the trainer's current version score a mean |log p| difference "
         "above this between the sampler and the trainer (the same weights: a numerics mismatch)",
+    )
+    logprob_monitor_every: int = option(
+        10,
+        ge=1,
+        doc="with ppo.prox_logp_method auto: every this many steps an on-policy step still runs the proximal pass "
+        "(which auto otherwise skips there), so the sampler/trainer mismatch monitor (monitor/*) keeps measuring",
     )
     max_skipped_steps: int = option(
         20, ge=1, doc="stop the run after this many steps in a row whose every update was skipped (non-finite)"

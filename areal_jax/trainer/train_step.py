@@ -40,7 +40,7 @@ from areal_jax.objectives.config import KLEstimator, PPOConfig
 from areal_jax.objectives.kl import kl_shaped_advantages
 from areal_jax.objectives.ppo import ppo_loss
 from areal_jax.objectives.prox import APPROXIMATIONS, approximate_prox_logp, prox_approximation_stats
-from areal_jax.objectives.stats import count_loss_tokens, merge_stats
+from areal_jax.objectives.stats import count_loss_sequences, count_loss_tokens, merge_stats
 from areal_jax.sharding import logical_to_spec, state_shardings
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
@@ -157,6 +157,9 @@ class _Program:
     kl_reward_estimator: KLEstimator
     params_def: Any  # the PyTreeDef of the parameter state
     param_sharding_leaves: tuple[NamedSharding, ...]
+    # the update's params are the step's starting weights (its first mini-batch): log pi_prox is the update's
+    # own log-probs under stop-gradient, exactly, with no proximal pass (prox_logp_method auto)
+    prox_is_current: bool = False
 
     @property
     def param_shardings(self) -> Any:
@@ -184,11 +187,17 @@ def _microbatch_loss(
     logp_prox_BxL: jax.Array | None,
     logp_ref_BxL: jax.Array | None,
     num_loss_tokens: jax.Array,
+    num_loss_sequences: jax.Array | None,
     version: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, mb)
     method, prox_stats = program.ppo.prox_logp_method, {}
-    if program.ppo.decoupled and method in APPROXIMATIONS:
+    if program.ppo.decoupled and method == "auto" and program.prox_is_current:
+        logp_prox_BxL = jax.lax.stop_gradient(logp_BxL)  # the params are the step's starting weights
+    elif program.ppo.decoupled and method == "auto" and logp_prox_BxL is None:
+        # the trainer skipped the proximal pass: every loss token was sampled by the step's starting weights
+        logp_prox_BxL = mb.logp_behav
+    elif program.ppo.decoupled and method in APPROXIMATIONS:
         logp_prox_BxL = approximate_prox_logp(method, logp_BxL, mb.logp_behav, mb.versions, version)
     elif method == "metrics":
         prox_stats = prox_approximation_stats(
@@ -219,6 +228,8 @@ def _microbatch_loss(
         entropy_BxL=entropy_BxL,
         token_version_BxL=mb.versions,
         trainer_version=version,
+        segment_ids_BxL=mb.segment_ids,
+        num_loss_sequences_global=num_loss_sequences,
     )
     return loss, stats | kl_reward_stats | prox_stats
 
@@ -231,13 +242,17 @@ def _gradients_fn(
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
-    """Sum over micro-batches of loss and gradient (each normalised by the whole mini-batch's loss tokens)."""
+    """Sum over micro-batches of loss and gradient (each normalised by the whole mini-batch's loss tokens, or
+    with `loss_agg: seq_mean_token_mean` its sequences)."""
     num_loss_tokens = count_loss_tokens(batch.loss_mask)
+    num_loss_sequences = None
+    if program.ppo.loss_agg == "seq_mean_token_mean":
+        num_loss_sequences = count_loss_sequences(batch.segment_ids, batch.loss_mask)
     grad_fn = jax.value_and_grad(partial(_microbatch_loss, program), has_aux=True)
     if batch.tokens.shape[0] == 1:  # one micro-batch: its gradient is the sum, no accumulator beside it
         first = partial(jax.tree.map, lambda x: x[0])
         prox, ref = (None if x is None else x[0] for x in (logp_prox_MxBxL, logp_ref_MxBxL))
-        (loss, stats), grads = grad_fn(params, first(batch), prox, ref, num_loss_tokens, version)
+        (loss, stats), grads = grad_fn(params, first(batch), prox, ref, num_loss_tokens, num_loss_sequences, version)
         grads = jax.lax.with_sharding_constraint(grads, program.param_shardings)
         return loss, grads, merge_stats(jax.tree.map(lambda x: x[None], stats))
 
@@ -245,7 +260,9 @@ def _gradients_fn(
         grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None, jax.Array | None]
     ) -> tuple[nnx.State, tuple[jax.Array, dict[str, jax.Array]]]:
         mb, logp_prox_BxL, logp_ref_BxL = xs
-        (loss, stats), mb_grads = grad_fn(params, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, version)
+        (loss, stats), mb_grads = grad_fn(
+            params, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, num_loss_sequences, version
+        )
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, mb_grads), program.param_shardings)
         return grads, (loss, stats)
 
@@ -432,15 +449,26 @@ class TrainStep:
         logp_prox: jax.Array | None,
         version: int,
         logp_ref: jax.Array | None = None,
+        prox_is_current: bool = False,
     ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
         """One optimizer update on one mini-batch; `params` and `opt_state` are donated (invalid afterwards).
 
-        `logp_prox` is required when `needs_prox_pass` and ignored (pass None) otherwise; `logp_ref` (the
-        reference policy's `logprobs`) is required when `uses_reference` and ignored otherwise; `version` is
-        the trainer's policy version, against which token staleness is measured.
+        `logp_prox` is required when `needs_prox_pass` and ignored (pass None) otherwise, except with
+        `prox_logp_method: auto`: there `prox_is_current` says `params` are the step's starting weights (its
+        first update), whose own log-probs under stop-gradient are log pi_prox exactly, and else None means the
+        step skipped the pass because every loss token is on-policy (the update then uses the behaviour
+        log-probs); each case is its own program, compiled once. `logp_ref` (the reference policy's `logprobs`)
+        is required when `uses_reference` and ignored otherwise; `version` is the trainer's policy version,
+        against which token staleness is measured.
         """
-        prox, ref = self._prox_arg(logp_prox), self._ref_arg(logp_ref)
-        grads, finite, stats = self._update_gradients(self.program, params, batch, prox, ref, jnp.int32(version))
+        program = self.program
+        if prox_is_current and self.config.ppo.prox_logp_method == "auto":
+            program, logp_prox = dataclasses.replace(program, prox_is_current=True), None
+        elif prox_is_current:
+            raise ValueError("prox_is_current needs ppo.prox_logp_method auto")
+        prox = None if program.prox_is_current else self._prox_arg(logp_prox)
+        ref = self._ref_arg(logp_ref)
+        grads, finite, stats = self._update_gradients(program, params, batch, prox, ref, jnp.int32(version))
         if bool(finite.addressable_data(0)):  # waits for the gradient: the next program depends on it
             params, opt_state, applied = self._apply(self.program, params, opt_state, grads)
         else:
@@ -450,14 +478,15 @@ class TrainStep:
 
     @property
     def needs_prox_pass(self) -> bool:
-        """Whether updates need the proximal log-probs (`logprobs(params, batch)` at the step's start): decoupled
-        PPO with `ppo.prox_logp_method` recompute or metrics; rollout and loglinear approximate them in the update."""
+        """Whether updates may need the proximal log-probs (`logprobs(params, batch)` at the step's start):
+        decoupled PPO with `ppo.prox_logp_method` auto (unless the step is on-policy), recompute or metrics;
+        rollout and loglinear approximate them in the update."""
         return self.config.ppo.needs_prox_pass
 
     def _prox_arg(self, logp_prox: jax.Array | None) -> jax.Array | None:
         if not self.needs_prox_pass:
             return None
-        if logp_prox is None:
+        if logp_prox is None and not self.config.ppo.skips_prox_pass_on_policy:
             raise ValueError(
                 f"logp_prox is None but ppo.decoupled is true with prox_logp_method "
                 f"{self.config.ppo.prox_logp_method!r}; pass logprobs(params, batch)"

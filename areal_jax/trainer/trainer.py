@@ -1,9 +1,11 @@
 """The trainer's numerics: a batch of trajectories in, PPO updates, a new policy version out.
 
-One step: pack the trajectories (shift, group advantages, `ppo_minibatches` mini-batches), run the
-proximal log-prob pass on every mini-batch with the weights at the start of the step (unless
-`ppo.prox_logp_method` approximates it inside the update: rollout, loglinear), the reference pass with the
-frozen reference params when a KL coefficient is > 0, then one optimizer update per
+One step: pack the trajectories (shift, DAPO overlong shaping, group advantages, `ppo_minibatches`
+mini-batches), run the proximal log-prob pass on every mini-batch with the weights at the start of the step
+(unless `ppo.prox_logp_method` approximates it inside the update: rollout, loglinear; with auto, on every
+mini-batch but the first, whose update runs at those weights and so computes log pi_prox itself, and on none
+when every loss token was sampled by those weights and the behaviour log-probs are log pi_prox), the
+reference pass with the frozen reference params when a KL coefficient is > 0, then one optimizer update per
 mini-batch, then bump the policy version. The version counts steps; a step whose updates were all
 skipped (non-finite loss or gradient) still makes a new version of its unchanged weights, so admission
 control on the rollout side moves on once the trainer loop (`system/training_loop.py`) publishes it.
@@ -24,7 +26,7 @@ from areal_jax.configuration import ConfigError
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models.decoder import Decoder
 from areal_jax.objectives.stats import merge_stats
-from areal_jax.trainer.batching import Planner, build_batch
+from areal_jax.trainer.batching import PackedBatch, Planner, build_batch
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.train_step import TrainStep
 
@@ -55,6 +57,28 @@ def _check_reference(reference_params: nnx.State, params: nnx.State) -> None:
             )
 
 
+def on_policy(minibatch: PackedBatch, version: int) -> bool:
+    """Whether every loss token of a host mini-batch was sampled by policy `version` (staleness 0)."""
+    return bool(np.all(minibatch.versions[minibatch.loss_mask] == version))
+
+
+def _check_overlong(config: TrainerConfig, max_new_tokens: int | None) -> None:
+    buffer = config.advantage.overlong_buffer
+    if buffer == 0:
+        return
+    if max_new_tokens is None:
+        raise ConfigError(
+            "advantage.overlong_buffer",
+            f"is {buffer} but the Trainer was built without max_new_tokens; the run must pass "
+            "rollout.workflow.sampling.max_new_tokens or set it to 0",
+        )
+    if buffer > max_new_tokens:
+        raise ConfigError(
+            "advantage.overlong_buffer",
+            f"value {buffer} exceeds max_new_tokens={max_new_tokens}; allowed: 0 <= overlong_buffer <= max_new_tokens",
+        )
+
+
 class Trainer:
     """Owns the trainer-side params and optimizer state of one decoder on one mesh and runs PPO steps.
 
@@ -66,6 +90,9 @@ class Trainer:
     reference policy of the KL terms; it is required when `ppo.kl_coef` or `advantage.kl_reward_coef` is
     > 0, and otherwise not kept. A copy is placed on the trainer mesh with the params' shardings
     (`reference_params` attribute); it is never updated and is not in the optimizer.
+
+    `max_new_tokens` is the sampler's cap on a response (rollout.workflow.sampling.max_new_tokens), required
+    when `advantage.overlong_buffer` > 0 (DAPO's overlong shaping measures a response against it).
     """
 
     def __init__(
@@ -78,7 +105,9 @@ class Trainer:
         planner: Planner | None = None,
         temperature: float,
         reference_params: nnx.State | None = None,
+        max_new_tokens: int | None = None,
     ):
+        _check_overlong(config, max_new_tokens)
         if reference_params is None and config.uses_reference:
             for key, coef in (
                 ("ppo.kl_coef", config.ppo.kl_coef),
@@ -93,6 +122,8 @@ class Trainer:
         graphdef, state = nnx.split(model)
         self.train_step = TrainStep(graphdef, state, config, mesh, temperature=temperature)
         shards = self.train_step.batch_shards
+        if config.packing.token_budget == "auto":  # a run resolves it for its longest sample (packing_on) first
+            config = config.replace(packing=config.packing.resolved(mesh.devices.flat[0].platform))
         if config.packing.min_rows is None:  # as few rows as a batch needs, split evenly over the shards
             config = config.replace(packing=config.packing.replace(min_rows=min(shards, config.packing.rows)))
         self.config = config
@@ -112,6 +143,7 @@ class Trainer:
                 logger.info("reference_params not kept: ppo.kl_coef and advantage.kl_reward_coef are 0")
         self.params, self.opt_state = self.train_step.init(state)
         self.planner = planner
+        self.max_new_tokens = max_new_tokens
         self.version = version
         self.skipped_updates = 0
         self._shapes_seen: set[tuple[int, ...]] = set()
@@ -123,24 +155,34 @@ class Trainer:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One training step on one batch of trajectories; returns its statistics (host floats)."""
         started = time.perf_counter()
-        batch = build_batch(trajectories, self.config, self.planner)
+        batch = build_batch(trajectories, self.config, self.planner, self.max_new_tokens)
         minibatches = [self.train_step.put_batch(mb) for mb in batch.minibatches]
         new_shapes = sorted({tuple(mb.tokens.shape) for mb in batch.minibatches} - self._shapes_seen)
         if new_shapes:
             logger.info("trainer: compiling the step for mini-batch shape %s [M, B, L] (once per shape)", new_shapes)
             self._shapes_seen.update(new_shapes)
 
-        def logprobs(params: nnx.State | None) -> list[jax.Array | None]:
+        def logprobs(params: nnx.State | None, first: int = 0) -> list[jax.Array | None]:
             if params is None:
                 return [None] * len(minibatches)
-            return [self.train_step.logprobs(params, mb) for mb in minibatches]
+            return [None] * first + [self.train_step.logprobs(params, mb) for mb in minibatches[first:]]
 
-        prox = logprobs(self.params if self.train_step.needs_prox_pass else None)
+        # auto: the first update runs at the step's starting weights, so its own log-probs are log pi_prox and
+        # only later mini-batches need the pass, which an on-policy step skips but on the monitor's steps
+        auto = self.config.ppo.decoupled and self.config.ppo.prox_logp_method == "auto"
+        monitored = self.version % self.config.logprob_monitor_every == 0  # the mismatch monitor's steps
+        skip_prox = (
+            self.config.ppo.skips_prox_pass_on_policy
+            and len(minibatches) > 1
+            and not monitored
+            and all(on_policy(mb, self.version) for mb in batch.minibatches)
+        )
+        prox = logprobs(self.params if self.train_step.needs_prox_pass and not skip_prox else None, first=int(auto))
         ref = logprobs(self.reference_params)
         stats_P = []
-        for mb, logp_prox, logp_ref in zip(minibatches, prox, ref, strict=True):
+        for k, (mb, logp_prox, logp_ref) in enumerate(zip(minibatches, prox, ref, strict=True)):
             self.params, self.opt_state, stats = self.train_step.update(
-                self.params, self.opt_state, mb, logp_prox, self.version, logp_ref
+                self.params, self.opt_state, mb, logp_prox, self.version, logp_ref, prox_is_current=auto and k == 0
             )
             stats_P.append(stats)
         stats = merge_minibatch_stats(jax.device_get(stats_P))
@@ -150,6 +192,10 @@ class Trainer:
         self.skipped_updates += int(stats["train/skipped_updates"])
         self.version += 1
         stats.update(batch.stats)
+        if self.config.ppo.decoupled:
+            # skipped: the behaviour log-probs stood in for the trainer's on some mini-batch (no monitor then)
+            stats["prox/skipped"] = float(skip_prox or not self.train_step.needs_prox_pass)
+            stats["prox/pass_minibatches"] = float(sum(p is not None for p in prox))
         stats.update(
             {
                 "train/version": float(self.version),
