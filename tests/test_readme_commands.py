@@ -65,7 +65,7 @@ SHORT = {  # appended to a command that trains this config: a few small steps, p
         "trainer.packing.rows=4",
         f"train_checkpoint.every_steps={STEPS}",
         f"eval.every_steps={STEPS}",
-        "cluster.status_every_s=0.2",  # `launch local`: the servers' counters reach the calibration each step
+        "cluster.status_every_s=0.05",  # `launch local`: the servers' counters reach the calibration each (fast) step
         "compilation_cache_dir=null",
     ],
 }
