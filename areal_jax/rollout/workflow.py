@@ -34,6 +34,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 
+from areal_jax.agents.config import AgentConfig
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
@@ -54,8 +55,10 @@ _MODEL_MARK = "@@areal-model@@"
 class WorkflowConfig(Config):
     """How one prompt becomes the trajectories of its group: single-turn RLVR, or multi-turn episodes."""
 
-    kind: Literal["single_turn", "multi_turn"] = option(
-        "single_turn", doc="'single_turn' (RLVR: one answer per sample) or 'multi_turn' (the environment replies)"
+    kind: Literal["single_turn", "multi_turn", "agent"] = option(
+        "single_turn",
+        doc="'single_turn' (RLVR: one answer per sample), 'multi_turn' (the environment replies) or 'agent' (the "
+        "user's agent through the OpenAI-compatible proxy: `agent`, docs/agents.md)",
     )
     n_samples: int = option(4, ge=1, doc="samples per prompt: the group size")
     sampling: SamplingParams = option(default_factory=SamplingParams, doc="how every model turn is sampled")
@@ -72,10 +75,13 @@ class WorkflowConfig(Config):
     turn_discount: float = option(
         1.0, gt=0, le=1, doc="multi_turn: the episode's reward is multiplied by this per extra turn"
     )
+    agent: AgentConfig = option(default_factory=AgentConfig, doc="agent: the user's agent and the proxy")
 
     def validate(self) -> None:
         if not math.isfinite(self.truncation_penalty):
             raise ConfigError("truncation_penalty", f"value {self.truncation_penalty!r} is not a finite number")
+        if self.kind == "agent" and not self.agent.function:
+            raise ConfigError("agent.function", "is empty; kind 'agent' needs the agent as 'package.module:function'")
 
 
 class TaskItem(Protocol):

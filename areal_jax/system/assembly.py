@@ -145,6 +145,10 @@ def export_policy(cfg: ExperimentConfig, model: Decoder, directory: str | Path) 
 def build_workflow(config: WorkflowConfig, tokenizer: Tokenizer, reward: Reward) -> RolloutWorkflow:
     if config.kind == "multi_turn":
         return MultiTurnWorkflow(config, tokenizer, reward.environment())
+    if config.kind == "agent":
+        from areal_jax.agents.workflow import AgentWorkflow  # the openai client, only for agent runs
+
+        return AgentWorkflow(config, tokenizer, reward.fn)
     return RLVRWorkflow(config, tokenizer, reward.fn)
 
 

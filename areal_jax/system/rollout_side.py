@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from areal_jax.agents.serving import workflow_serving
 from areal_jax.config import ExperimentConfig
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.rollout_log import GroupLogSink, RolloutLogWriter, new_writer_id
@@ -156,7 +157,7 @@ def open_rollout_side(
     generator = Generator(engine, loaded, detokenize=workflow.tokenizer.decode, seed=seed)
     del loaded  # the generator owns the weights
     try:
-        with generator:
+        with generator, workflow_serving(workflow, generator, staleness, server):
             controller = RolloutController(
                 generator,
                 workflow,

@@ -1,0 +1,1 @@
+"""Example agents for `rollout.workflow.kind: agent` (configs/recipes/agent_*.yaml)."""

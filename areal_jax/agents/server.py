@@ -1,0 +1,297 @@
+"""The OpenAI-compatible proxy: an aiohttp server on its own thread and event loop in front of the generator.
+
+Routes (every `/v1/...` route also under `/sessions/{session_id}/v1/...`):
+  POST /v1/chat/completions   messages, tools, tool_choice, n, temperature, top_p, max_tokens, stop, seed, stream
+  POST /v1/completions        prompt (one string or one list of token ids), n, the same sampling fields
+  GET  /v1/models
+  POST /sessions/{session_id}/end   ends an episode a client opened itself; answers its recorded sequences
+A request belongs to the episode (session) named by its path, else its `X-Session-Id` header, else the body's
+`user` field. The agent workflow opens its episodes itself (`open_episode`, admitted by the rollout controller);
+a request naming an unknown session opens one if `admission` allows, else gets 429 with Retry-After; a
+request of an episode in flight is never refused. Each turn awaits `Generator.generate` (continuous batching
+with every other request; a weight update interrupts and re-prefills it, and the answer comes as usual);
+its samples are recorded in the session (`sessions.py`, `turns.py`). A client that disconnects cancels its
+request, which aborts its samples; ending an episode aborts its requests still generating.
+
+Ownership: the sessions live on this server's loop thread; other threads reach them through
+`open_episode` / `close_episode`, which run on that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from areal_jax.agents import responses, turns
+from areal_jax.agents.admission import EpisodeAdmission
+from areal_jax.agents.config import AgentConfig
+from areal_jax.agents.messages import RequestError
+from areal_jax.agents.prompts import ChatRenderer
+from areal_jax.agents.requests import chat_request, completion_request
+from areal_jax.agents.sessions import Session, TokenSequence
+from areal_jax.agents.tool_calls import resolve_format
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.sampling import SamplingParams
+from areal_jax.models.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-Id"
+CONTEXT_FULL = "context_length_exceeded"  # the error code of a turn whose prompt does not fit the engine
+_ENDED_KEPT = 100_000  # ended session ids remembered, so a late request gets 410 instead of a new episode
+T = TypeVar("T")
+
+
+class HTTPRefusal(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str, headers: dict[str, str] | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.kind, self.headers, self.code = status, kind, headers or {}, code
+
+
+class AgentProxy:
+    """See the module docstring. `sampling`: the workflow's sampling (stop ids included) each turn starts from."""
+
+    def __init__(
+        self,
+        generator: Generator,
+        tokenizer: Tokenizer,
+        config: AgentConfig,
+        sampling: SamplingParams,
+        *,
+        admission: EpisodeAdmission | None = None,
+        port: int | None = None,
+    ):
+        self.generator, self.tokenizer, self.config, self.sampling = generator, tokenizer, config, sampling
+        self.admission = admission
+        self.renderer = ChatRenderer(tokenizer)
+        templates = getattr(tokenizer, "chat_templates", {})
+        self.tool_format = resolve_format(config.tool_format, "".join(templates.values()))
+        self.port = config.port if port is None else port
+        self._sessions: dict[str, Session] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> AgentProxy:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="areal-agent-proxy", daemon=True)
+        self._thread.start()
+        self._on_loop(self._serve()).result()
+        logger.info("agent proxy listening on %s (tool calls: %s)", self.url, self.tool_format)
+        return self
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        self._on_loop(self._shut_down()).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._loop = None
+
+    def __enter__(self) -> AgentProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def session_url(self, session_id: str) -> str:
+        """The OpenAI base URL of one episode (`openai.AsyncOpenAI(base_url=...)`)."""
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    # -- episodes, from any thread or loop -----------------------------------------------------------------
+
+    async def open_episode(self, prefix: str = "episode") -> str:
+        """A new episode's session id (admitted by the caller)."""
+        return await asyncio.wrap_future(self._on_loop(self._open(f"{prefix}-{uuid.uuid4().hex[:12]}")))
+
+    async def close_episode(self, session_id: str) -> list[TokenSequence]:
+        """End an episode: its requests still generating are aborted; its sequences no turn continued."""
+        return await asyncio.wrap_future(self._on_loop(self._close(session_id)))
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._loop is None:
+            raise RuntimeError("the agent proxy is not running; call start() first")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # -- on the loop -------------------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        for prefix in ("", "/sessions/{session_id}"):
+            app.router.add_post(f"{prefix}/v1/chat/completions", self._route(self._chat))
+            app.router.add_post(f"{prefix}/v1/completions", self._route(self._completion))
+            app.router.add_get(f"{prefix}/v1/models", self._models)
+        app.router.add_post("/sessions/{session_id}/end", self._route(self._end))
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def _shut_down(self) -> None:
+        for session_id in list(self._sessions):
+            await self._close(session_id)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _open(self, session_id: str) -> str:
+        self._sessions[session_id] = Session(session_id, external=False)
+        return session_id
+
+    async def _close(self, session_id: str) -> list[TokenSequence]:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise KeyError(f"no episode {session_id!r} in flight")
+        session.closed = True
+        for request_id in session.in_flight:
+            self.generator.abort(request_id)
+        self._ended[session_id] = None
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
+        if session.external and self.admission is not None:
+            self.admission.release()
+        return session.leaves()
+
+    def _session(self, request: web.Request, body: Any) -> Session:
+        session_id = request.match_info.get("session_id") or request.headers.get(SESSION_HEADER)
+        if session_id is None and isinstance(body, dict) and isinstance(body.get("user"), str):
+            session_id = body["user"]
+        if not session_id:
+            raise HTTPRefusal(
+                400,
+                f"no session: use the base URL .../sessions/<id>/v1, the {SESSION_HEADER} header or the 'user' field",
+                "invalid_request_error",
+            )
+        session = self._sessions.get(session_id)
+        if session is not None:
+            return session
+        if session_id in self._ended:
+            raise HTTPRefusal(410, f"episode {session_id!r} has ended", "invalid_request_error")
+        if self.admission is not None and not self.admission.try_admit():
+            raise HTTPRefusal(
+                429,
+                "admission is closed: rollouts are as far ahead of the trainer as the staleness bound allows; "
+                "start the episode later",
+                "rate_limit_exceeded",
+                {"Retry-After": str(self.config.retry_after_s)},
+            )
+        session = self._sessions[session_id] = Session(session_id, external=True)
+        return session
+
+    def _route(self, handler: Callable[[web.Request, Any], Awaitable[web.StreamResponse]]) -> Callable:
+        async def route(request: web.Request) -> web.StreamResponse:
+            try:
+                body = await request.json() if request.can_read_body else {}
+            except json.JSONDecodeError as err:
+                return _refuse(HTTPRefusal(400, f"the body is not JSON: {err}", "invalid_request_error"))
+            try:
+                return await handler(request, body)
+            except RequestError as err:
+                return _refuse(HTTPRefusal(400, str(err), "invalid_request_error"))
+            except HTTPRefusal as err:
+                return _refuse(err)
+
+        return route
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(responses.models())
+
+    async def _generate(self, session: Session, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list:
+        if not self.generator.engine.config.fits_prompt(len(prompt_ids)):
+            raise HTTPRefusal(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; the engine takes fewer than "
+                f"rollout.engine.max_length={self.generator.engine.config.max_length}",
+                "invalid_request_error",
+                code=CONTEXT_FULL,
+            )
+        request_id = f"{session.session_id}:r{next(self._ids)}"
+        session.in_flight.add(request_id)
+        try:
+            results = await self.generator.generate(prompt_ids, sampling, n, request_id)
+        finally:
+            session.in_flight.discard(request_id)
+        if session.closed:
+            raise HTTPRefusal(
+                410, f"episode {session.session_id!r} ended while this request generated", "invalid_request_error"
+            )
+        return results
+
+    async def _chat(self, request: web.Request, body: Any) -> web.StreamResponse:
+        session = self._session(request, body)
+        chat = chat_request(body, self.sampling, self.config.fixed_temperature)
+        plan = turns.plan_chat(session, chat, self.renderer, self.config.template_rule, self.tool_format)
+        prompt_ids = plan.prompt_ids()
+        results = await self._generate(session, prompt_ids, chat.sampling, chat.n)
+        replies = [turns.chat_reply(self.tokenizer, chat, plan, result, self.tool_format) for result in results]
+        for result, reply in zip(results, replies, strict=True):
+            turns.record_chat(session, chat, plan, result, reply)
+        if not chat.stream:
+            return web.json_response(responses.chat_completion(len(prompt_ids), results, replies))
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await stream.prepare(request)
+        for chunk in responses.chat_chunks(len(prompt_ids), results, replies):
+            await stream.write(chunk)
+        await stream.write_eof()
+        return stream
+
+    async def _completion(self, request: web.Request, body: Any) -> web.Response:
+        session = self._session(request, body)
+        completion = completion_request(body, self.sampling, self.config.fixed_temperature)
+        plan = turns.plan_completion(session, completion, self.tokenizer)
+        prompt_ids = plan.prompt_ids()
+        results = await self._generate(session, prompt_ids, completion.sampling, completion.n)
+        for result in results:
+            turns.record_completion(session, plan, result)
+        texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
+        return web.json_response(responses.completion(len(prompt_ids), results, texts))
+
+    async def _end(self, request: web.Request, body: Any) -> web.Response:
+        session_id = request.match_info["session_id"]
+        session = self._sessions.get(session_id)
+        if session is None or not session.external:
+            raise HTTPRefusal(
+                404, f"no episode {session_id!r} opened by a client is in flight", "invalid_request_error"
+            )
+        sequences = await self._close(session_id)
+        return web.json_response({"session_id": session_id, "sequences": [_sequence_json(s) for s in sequences]})
+
+
+def _sequence_json(seq: TokenSequence) -> dict[str, Any]:
+    return {
+        "token_ids": seq.ids,
+        "logprobs": seq.logprobs,
+        "versions": seq.versions,
+        "loss_mask": [int(m) for m in seq.model],
+        "prompt_length": seq.prompt_length,
+        "turns": seq.turns,
+        "finish_reason": seq.finish_reason,
+        "template_divergences": seq.divergences,
+    }
+
+
+def _refuse(refusal: HTTPRefusal) -> web.Response:
+    return web.json_response(
+        responses.error(str(refusal), refusal.kind, refusal.code), status=refusal.status, headers=refusal.headers
+    )

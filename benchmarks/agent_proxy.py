@@ -1,0 +1,122 @@
+"""The agent proxy's overhead: the same multi-turn episodes through the OpenAI-compatible proxy (an agent on the
+real `openai` client, `rollout.workflow.kind: agent`) and through the built-in multi-turn workflow.
+
+Both run G groups of n episodes of T model turns on one generator and engine, all groups at once as the
+rollout controller keeps them; each turn samples up to `max_new_tokens` tokens and the environment (built-in)
+or the agent (proxy) answers with the same fixed user message. The proxy path adds HTTP, JSON, the chat
+template's rendering per turn and the session records. Each mode runs `--repeats` times, alternating, after
+one untimed pass each; the best run of each counts.
+
+Prints `name: value unit` lines; the last is `ratio proxy_vs_builtin: X.XX` (generated tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import jax
+from common import MODEL_100M, QWEN2_3M
+from flax import nnx
+
+from areal_jax.agents.config import AgentConfig
+from areal_jax.agents.workflow import AgentWorkflow
+from areal_jax.data.datasets import PromptRecord
+from areal_jax.inference.engine import Engine, EngineConfig
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.sampling import SamplingParams
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from areal_jax.rollout.environments import EnvStep
+from areal_jax.rollout.workflow import MultiTurnWorkflow, RolloutWorkflow, WorkflowConfig
+
+REPLY = "1+1=2. (3)"
+TURNS = 3
+STOPS = "=.:"  # a turn of the random policy ends at one of these (about every 9th token) or at max_new_tokens
+
+
+class FixedReply:
+    """The built-in workflow's environment: the same reply after every turn, reward 0."""
+
+    def step(self, task: Any, history: Any, completion: str) -> EnvStep:
+        return EnvStep(reply=REPLY, reward=0.0, done=False)
+
+
+async def fixed_reply_agent(client: Any, task: Any) -> float:
+    """The same episode as an agent: up to T turns, each answered with the same user message; a turn cut at
+    max_new_tokens ends the episode, as in the built-in workflow."""
+    messages = [{"role": "user", "content": task.prompt}]
+    for _ in range(TURNS):
+        response = await client.chat.completions.create(model="policy", messages=messages)
+        if response.choices[0].finish_reason == "length":
+            break
+        messages.append({"role": "assistant", "content": response.choices[0].message.content})
+        messages.append({"role": "user", "content": REPLY})
+    return 0.0
+
+
+def run_groups(workflow: RolloutWorkflow, generator: Generator, groups: int) -> tuple[float, int, int, int, int]:
+    """(seconds, generated tokens, turns, prefill calls, decode steps) of `groups` groups run at once."""
+    stats = dataclasses.replace(generator.stats)
+    tasks = [PromptRecord(f"t{g}", f"{g}+{g}=", str(2 * g), None, "bench", {}) for g in range(groups)]
+
+    async def all_groups() -> list:
+        return await asyncio.gather(*(workflow.run(generator, task, g) for g, task in enumerate(tasks)))
+
+    started = time.perf_counter()
+    results = asyncio.run(all_groups())
+    seconds = time.perf_counter() - started
+    trajectories = [t for group in results for t in group]
+    tokens = sum(t.num_loss_tokens for t in trajectories)
+    turns = sum(t.metadata["num_turns"] for t in trajectories)
+    now = generator.stats
+    return seconds, tokens, turns, now.prefill_calls - stats.prefill_calls, now.decode_steps - stats.decode_steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="16 groups of 4 episodes (< 60 s on 2 cores)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each mode (the best counts)")
+    parser.add_argument(
+        "--model", choices=("3m", "100m"), default="3m", help="the policy: common.QWEN2_3M or common.MODEL_100M"
+    )
+    args = parser.parse_args()
+    print(f"backend: {jax.default_backend()}")
+    print(f"policy: {args.model}")
+    groups, n, new_tokens, slots = (16, 4, 16, 32) if args.quick else (64, 8, 64, 128)
+    tokenizer = CharTokenizer(DEFAULT_ALPHABET)
+    policy = QWEN2_3M if args.model == "3m" else MODEL_100M
+    model = Decoder(policy.replace(vocab_size=tokenizer.vocab_size), nnx.Rngs(0))
+    engine = Engine(model, EngineConfig(max_slots=slots, max_length=256, min_prefill_bucket=32, max_prefill_batch=8))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=tuple(tokenizer.encode(STOPS)))
+    config = WorkflowConfig(n_samples=n, sampling=sampling, max_turns=TURNS)
+    agent = config.replace(kind="agent", agent=AgentConfig(function="agent_proxy:fixed_reply_agent"))
+    with (
+        Generator(engine, engine.load_params(nnx.state(model), 0), detokenize=tokenizer.decode) as generator,
+        MultiTurnWorkflow(config, tokenizer, FixedReply()) as builtin,
+        AgentWorkflow(agent, tokenizer, lambda text, task: (0.0, {})) as proxy,
+    ):
+        modes = {"builtin": builtin, "proxy": proxy}
+        for workflow in modes.values():
+            run_groups(workflow, generator, groups)  # compiles, starts the proxy
+        best: dict[str, tuple[float, int, int, int, int]] = {}
+        for _ in range(args.repeats):
+            for name, workflow in modes.items():
+                run = run_groups(workflow, generator, groups)
+                if name not in best or run[1] / run[0] > best[name][1] / best[name][0]:
+                    best[name] = run
+    for name, (seconds, tokens, turns, prefill_calls, decode_steps) in best.items():
+        print(f"{name}_throughput: {tokens / seconds:.1f} tokens/s")
+        print(f"{name}_seconds: {seconds:.2f} s")
+        print(f"{name}_turns: {turns} turns")
+        print(f"{name}_prefill_calls: {prefill_calls} calls")
+        print(f"{name}_decode_steps: {decode_steps} steps")
+    ratio = (best["proxy"][1] / best["proxy"][0]) / (best["builtin"][1] / best["builtin"][0])
+    print(f"ratio proxy_vs_builtin: {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

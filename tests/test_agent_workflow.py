@@ -1,0 +1,133 @@
+"""`rollout.workflow.kind: agent` end to end: the example agents' smoke recipes train on a tiny checkpoint
+(`areal-jax train`: the rollout side starts the proxy, the agents call tools through the real `openai` client),
+and a failing agent fails only its own group, counted against `rollout.failures`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from areal_jax.agents.config import AgentConfig
+from areal_jax.agents.examples.shop_lookup import calculate, write_tasks
+from areal_jax.agents.workflow import AgentWorkflow
+from areal_jax.cli import main
+from areal_jax.config import load_experiment
+from areal_jax.configuration import ConfigError
+from areal_jax.data.datasets import PromptRecord
+from areal_jax.data.rollout_log_reader import read_shard
+from areal_jax.data.rollout_log_shards import list_shards
+from areal_jax.jsonl import read_jsonl
+from areal_jax.models.tokenizer import load_tokenizer
+from areal_jax.rollout.controller import RolloutController
+from areal_jax.rollout.failures import FailureBudgetConfig
+from areal_jax.rollout.rewards import Reward
+from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
+from areal_jax.rollout.workflow import WorkflowConfig
+from areal_jax.system.assembly import build_prompts, build_workflow
+from tests.test_agent_proxy import TOOL_TEMPLATE, tiny_generator
+from tests.tiny_hf_run import make_tiny_hf_run
+
+SHOP_FIELDS = "{prompt: question, answer: answer, id: id, metadata: [prices]}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tests' tiny checkpoint with a chat template that renders tools."""
+    run = make_tiny_hf_run(tmp_path_factory.mktemp("tiny-agent-run"))
+    config_file = run.checkpoint / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TOOL_TEMPLATE
+    config_file.write_text(json.dumps(config))
+    return run
+
+
+def _train(tmp_path: Path, recipe: str, *overrides: str) -> list:
+    args = [f"output_dir={tmp_path}", *overrides]
+    assert main(["train", f"configs/recipes/{recipe}.yaml", *args]) == 0
+    cfg = load_experiment(f"configs/recipes/{recipe}.yaml", args)
+    assert [m["train/version"] for m in read_jsonl(cfg.run_dir / "metrics.jsonl")] == [1, 2]
+    log = cfg.layout.rollout_log
+    return [entry.trajectory for shard in list_shards(log) for entry in read_shard(log, shard)[0]]
+
+
+def test_the_python_tool_math_agent_trains(tmp_path, tiny):
+    trajectories = _train(
+        tmp_path,
+        "agent_math_python_smoke",
+        f"hf_checkpoint={tiny.checkpoint}",
+        f"dataset.files=[{{path: '{tiny.gsm8k}', mapping: gsm8k}}]",
+    )
+    tokenizer = load_tokenizer(str(tiny.checkpoint))
+    assert all(t.metadata["num_turns"] >= 2 for t in trajectories)  # the forced python call, then more
+    context = tokenizer.decode(trajectories[0].token_ids[~trajectories[0].loss_mask].tolist())
+    assert "<tool_response>" in context and '{"name": "python", "arguments": ' in context
+    assert all(t.loss_mask.any() and (t.versions[t.loss_mask] >= 0).all() for t in trajectories)
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory, tiny):
+    """The shop smoke recipe's workflow and reward on a tiny generator with the checkpoint's tokenizer."""
+    data = write_tasks(tmp_path_factory.mktemp("shop") / "shop.jsonl", rows=6)
+    cfg = load_experiment(
+        "configs/recipes/agent_shop_lookup_smoke.yaml",
+        [f"hf_checkpoint={tiny.checkpoint}", f"dataset.files=[{{path: '{data}', fields: {SHOP_FIELDS}}}]"],
+    )
+    tokenizer = load_tokenizer(str(tiny.checkpoint))
+    generator, _ = tiny_generator(tokenizer, cfg.rollout.engine.max_length)
+    with generator, Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
+        records, _ = build_prompts(cfg, workflow)
+        yield cfg, workflow, generator, records
+
+
+def test_the_shop_lookup_agent_calls_both_tools_and_scores_its_episodes(shop, tiny):
+    _, workflow, generator, records = shop
+    assert isinstance(workflow, AgentWorkflow)
+    group = asyncio.run(workflow.run(generator, records[0], 7))  # the workflow starts its own proxy here
+    assert [t.sample_index for t in group] == [0, 1] and {t.group_id for t in group} == {7}
+    tokenizer = load_tokenizer(str(tiny.checkpoint))
+    for t in group:
+        assert t.metadata["num_turns"] >= 2 and t.reward in (0.0, 1.0) and t.metadata["sequences"] == 1
+        context = tokenizer.decode(t.token_ids[~t.loss_mask].tolist())
+        assert '"name": "lookup"' in context and '"name": "calculator"' in context and "<tool_response>" in context
+        assert (t.versions[t.loss_mask] == generator.version).all()
+
+
+async def _broken_agent(client, task):
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": task.prompt}])
+    if task.id.endswith("-1"):
+        raise RuntimeError("the agent crashed mid-episode")
+    return 0.5
+
+
+def test_a_failing_agent_fails_only_its_group_against_the_failure_budget(shop, monkeypatch):
+    _, workflow, generator, _ = shop
+    monkeypatch.setattr(workflow, "agent", _broken_agent)
+    tasks = iter([(g, PromptRecord(f"t-{g}", "hi", "1", None, "test", {})) for g in range(4)])
+    staleness = StalenessManager(StalenessConfig(max_head_offpolicyness=4, batch_prompts=4, max_concurrent=4))
+    groups: list = []
+    controller = RolloutController(
+        generator, workflow, tasks, staleness, groups.append, failures=FailureBudgetConfig(max_consecutive=3)
+    ).start()
+    assert controller.exhausted.wait(timeout=60)
+    controller.stop()
+    assert controller.stats.failed == 1 and controller.stats.accepted == 3 and controller.failure is None
+    assert sorted(t.group_id for group in groups for t in group) == [0, 0, 2, 2, 3, 3]
+    assert all(t.reward == 0.5 for group in groups for t in group)
+    assert generator.num_in_flight() == 0
+
+
+def test_an_agent_must_be_named_and_async():
+    with pytest.raises(ConfigError, match="agent\\.function"):
+        WorkflowConfig(kind="agent")
+    with pytest.raises(ConfigError, match="not an async function"):
+        AgentWorkflow(WorkflowConfig(kind="agent", agent=AgentConfig(function="json:dumps")), None, None)
+
+
+def test_the_calculator_evaluates_arithmetic_only():
+    assert calculate("3*2 + (4 - 1) / 2") == 7.5
+    for bad in ("__import__('os')", "2**10", "1/0", "x"):
+        with pytest.raises(ValueError):
+            calculate(bad)
