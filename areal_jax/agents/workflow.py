@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import importlib
 import math
 import time
 import weakref
@@ -32,6 +31,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.rollout.environments import RewardFn
+from areal_jax.rollout.rewards import import_user_function
 from areal_jax.rollout.workflow import RolloutWorkflow, TaskItem, WorkflowConfig
 
 Agent = Callable[[openai.AsyncOpenAI, Any], Awaitable[float | None]]
@@ -39,12 +39,7 @@ Agent = Callable[[openai.AsyncOpenAI, Any], Awaitable[float | None]]
 
 def import_agent(spec: str) -> Agent:
     """The coroutine function named by 'package.module:function'."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError("rollout.workflow.agent.function", f"cannot import module {module_name!r}: {err}") from None
-    fn = getattr(module, attribute, None)
+    fn = import_user_function(spec, "rollout.workflow.agent.function")
     if not asyncio.iscoroutinefunction(fn):
         raise ConfigError(
             "rollout.workflow.agent.function", f"{spec!r} is not an async function run(client, task) -> float | None"

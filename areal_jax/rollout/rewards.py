@@ -71,17 +71,22 @@ class RewardConfig(Config):
         return {"code": "tests", "math": "answer", "arithmetic": "answer", "chain_sums": "answer"}.get(self.kind, "")
 
 
-def import_reward_function(spec: str) -> RewardFn:
-    """The callable named by 'package.module:function', with an error naming what is missing."""
+def import_user_function(spec: str, key: str) -> Callable:
+    """The callable named by 'package.module:function' (config key `key`), with an error naming what is missing."""
     module_name, _, attribute = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError("reward.kind", f"cannot import module {module_name!r}: {err}") from None
+        raise ConfigError(key, f"cannot import module {module_name!r}: {err}") from None
     fn = getattr(module, attribute, None)
     if not callable(fn):
-        raise ConfigError("reward.kind", f"{module_name!r} has no function {attribute!r}")
+        raise ConfigError(key, f"{module_name!r} has no function {attribute!r}")
     return fn
+
+
+def import_reward_function(spec: str) -> RewardFn:
+    """The reward function named by 'package.module:function' (`reward.kind`)."""
+    return import_user_function(spec, "reward.kind")
 
 
 class Reward:
