@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from areal_jax.config import load_experiment
 from areal_jax.jobs.train import run_async
-from areal_jax.system.reporting import tensorboard_tag
+from areal_jax.reporting.run_reporter import tensorboard_tag
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 4

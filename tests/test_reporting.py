@@ -13,7 +13,7 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal_jax.configuration import ConfigError
-from areal_jax.system.reporting import RunReporter, tensorboard_tag
+from areal_jax.reporting.run_reporter import RunReporter, tensorboard_tag
 from areal_jax.system_config import ReportConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -45,6 +45,7 @@ from areal_jax.models.init import abstract_like
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.planning.memory import check_memory
 from areal_jax.profiling import ProfileWindow
+from areal_jax.reporting.run_reporter import RunReporter
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.run_layout import PROFILE_DIR
@@ -58,7 +59,6 @@ from areal_jax.system.assembly import (
     export_policy,
     policy_config,
 )
-from areal_jax.system.reporting import RunReporter
 from areal_jax.system.rollout_side import RolloutSide, open_rollout_side
 from areal_jax.system.run_dir import check_run_dir, start_run_dir
 from areal_jax.system.run_mirror import mirroring, pull_records, reset_local_copy

@@ -32,9 +32,9 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.inference.generator import GeneratorStats
 from areal_jax.jobs.train import RunSummary, train
 from areal_jax.multiprocess import TrainerProcesses
+from areal_jax.reporting.metric_keys import QUEUE
 from areal_jax.sharding import make_mesh
 from areal_jax.system.cluster import ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
-from areal_jax.system.reporting import QUEUE
 from areal_jax.system.stop_control import StopControl
 from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer

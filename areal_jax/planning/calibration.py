@@ -31,8 +31,9 @@ from areal_jax import storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import to_dict
 from areal_jax.jsonl import parse_jsonl
+from areal_jax.reporting.metric_keys import BATCH_WAIT, EMITTED, WALL
+from areal_jax.run_layout import METRICS_FILE
 from areal_jax.system import resources
-from areal_jax.system.reporting import BATCH_WAIT, EMITTED, METRICS_FILE, WALL
 from areal_jax.system.run_dir import CONFIG_FILE
 
 BUSY = "generator/busy_seconds"

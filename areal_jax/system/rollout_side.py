@@ -29,6 +29,7 @@ from areal_jax.data.tasks import TaskStream
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.serving_engine import ServingEngine
 from areal_jax.progress import heartbeat
+from areal_jax.reporting.metric_keys import QUEUE
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.evaluation import evaluate
 from areal_jax.rollout.staleness import StalenessManager
@@ -36,7 +37,6 @@ from areal_jax.rollout.weight_versions import apply_version
 from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.seeds import stream_seed
 from areal_jax.system.cluster import ResumePoint, resume_point, server_group_ids
-from areal_jax.system.reporting import QUEUE
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import numpy as np
 from areal_jax.config import ExperimentConfig
 from areal_jax.data.pipeline import pipeline_stats, staleness_of
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.system.reporting import RunReporter
+from areal_jax.reporting.run_reporter import RunReporter
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.profiling import ProfileWindow
 from areal_jax.progress import heartbeat
-from areal_jax.system.reporting import BATCH_WAIT
+from areal_jax.reporting.metric_keys import BATCH_WAIT
 from areal_jax.system.run_state import RunState
 from areal_jax.system.step_report import StepRecords, reward_stats
 from areal_jax.system.stop_control import RunFailed, StopControl

@@ -53,6 +53,19 @@ from rich.text import Text
 
 from areal_jax.configuration import ConfigError
 from areal_jax.jsonl import keep_upto
+from areal_jax.reporting.metric_keys import (
+    CORRECT,
+    HELDOUT,
+    INTERRUPTIONS,
+    QUEUE,
+    REWARD,
+    STALENESS_MAX,
+    STALENESS_MEAN,
+    STEP_KEY,
+    TRAIN_TOKENS_PER_S,
+    generation_rate,
+)
+from areal_jax.reporting.plots import History, run_series, write_plots
 from areal_jax.run_layout import LOG_FILE, METRICS_FILE, PLOTS_DIR, REPORT_OUTPUTS, TENSORBOARD_DIR, WANDB_DIR
 from areal_jax.system_config import ReportConfig
 
@@ -60,25 +73,8 @@ logger = logging.getLogger(__name__)
 
 OUTPUTS = REPORT_OUTPUTS
 
-STEP_KEY = "train/version"  # a metrics line's step
-REWARD = "rollout/reward_mean"
-CORRECT = "rollout/correct_mean"
-HELDOUT = "eval/pass@1"
-STALENESS_MEAN = "rollout/staleness_mean"
-STALENESS_MAX = "rollout/staleness_max"
-TRAIN_TOKENS_PER_S = "train/throughput"
-EMITTED = "generator/emitted_tokens"
-INTERRUPTIONS = "generator/interruptions"
-QUEUE = "generator/queue"
-WALL = "time/wall"
-BATCH_WAIT = "time/batch_wait"  # seconds the trainer waited for the step's batch (the rollout side's share)
-KEPT_BY_STALENESS = "pipeline/kept_by_staleness/"
-
 _TAG_REFUSED = re.compile(r"[^-/\w.]")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-History = list[tuple[int, dict[str, float]]]
 
 
 class _LatestMessage(logging.Handler):
@@ -350,19 +346,6 @@ def _last_value(history: History, key: str) -> float | None:
     return next((stats[key] for _, stats in reversed(history) if key in stats), None)
 
 
-def generation_rate(previous: Mapping[str, float] | None, stats: Mapping[str, float]) -> float | None:
-    """Generated tokens per second over the last step: the growth of `generator/emitted_tokens` over that of
-    `time/wall`; at the first step of a process (the counters restarted) the process's own average."""
-    if EMITTED not in stats or WALL not in stats:
-        return None
-    emitted, wall = stats[EMITTED], stats[WALL]
-    if previous is not None and EMITTED in previous and WALL in previous:
-        d_emitted, d_wall = emitted - previous[EMITTED], wall - previous[WALL]
-        if d_emitted >= 0 and d_wall > 0:
-            return d_emitted / d_wall
-    return emitted / wall if wall > 0 else None
-
-
 def _mean_step_seconds(session_steps: list[tuple[int, float]], stats: Mapping[str, float]) -> float | None:
     """Mean seconds per step of this process (between its logged steps), else the step's own step time."""
     if len(session_steps) >= 2:
@@ -382,102 +365,3 @@ def _duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "-"
     return str(datetime.timedelta(seconds=round(seconds)))
-
-
-def run_series(history: History) -> dict[str, np.ndarray]:
-    """The plotted series, one value per step (NaN where a step lacks it): `step`, `wall` (seconds, one axis
-    across resumes), reward, correct rate, held-out pass@1, mean staleness, generation and training
-    tokens/s; and `staleness` / `kept` (samples trained per staleness) when the pipeline counts them."""
-    steps = np.array([s for s, _ in history], dtype=np.float64)
-    walls, offset, last_wall = [], 0.0, None
-    gen_rates, previous = [], None
-    for _, stats in history:
-        wall = stats.get(WALL, math.nan)
-        if last_wall is not None and wall <= last_wall:  # a resumed process starts its clock again
-            offset += last_wall
-        if not math.isnan(wall):
-            last_wall = wall
-        walls.append(wall + offset)
-        rate = generation_rate(previous, stats)
-        gen_rates.append(math.nan if rate is None else rate)
-        previous = stats
-    series = {"step": steps, "wall": np.array(walls), "generation_tokens_per_s": np.array(gen_rates)}
-    for key in (REWARD, CORRECT, HELDOUT, STALENESS_MEAN, TRAIN_TOKENS_PER_S):
-        series[key] = np.array([stats.get(key, math.nan) for _, stats in history], dtype=np.float64)
-    counts = next(
-        (
-            {int(k[len(KEPT_BY_STALENESS) :]): v for k, v in stats.items() if k.startswith(KEPT_BY_STALENESS)}
-            for _, stats in reversed(history)
-            if any(k.startswith(KEPT_BY_STALENESS) for k in stats)
-        ),
-        None,
-    )
-    if counts:
-        staleness = sorted(counts)
-        series["staleness"] = np.array(staleness, dtype=np.float64)
-        series["kept"] = np.array([counts[s] for s in staleness], dtype=np.float64)
-    return series
-
-
-def write_plots(series: Mapping[str, np.ndarray], directory: Path) -> list[Path]:
-    """reward.png, staleness.png and throughput.png from `run_series` (matplotlib, Agg); their paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    directory.mkdir(parents=True, exist_ok=True)
-    minutes = series["wall"] / 60.0
-    written = []
-
-    def save(fig: Figure, name: str) -> None:
-        FigureCanvasAgg(fig)
-        fig.tight_layout()
-        path = directory / name
-        fig.savefig(path, dpi=100)
-        written.append(path)
-
-    fig = Figure(figsize=(11, 4))
-    for ax, x, xlabel in zip(fig.subplots(1, 2), (series["step"], minutes), ("step", "wall time (min)"), strict=True):
-        for key, label, style in (
-            (REWARD, "reward", "-"),
-            (CORRECT, "correct", "-"),
-            (HELDOUT, "held-out pass@1", "o-"),
-        ):
-            y = series[key]
-            shown = ~np.isnan(y)
-            if shown.any():
-                ax.plot(x[shown], y[shown], style, label=label, markersize=4)
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("reward and accuracy")
-    save(fig, "reward.png")
-
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    if "kept" in series:
-        ax.bar(series["staleness"], series["kept"])
-        ax.set_xticks(series["staleness"])
-        ax.set_xlabel("staleness (policy versions behind)")
-        ax.set_ylabel("samples trained")
-    else:
-        y = series[STALENESS_MEAN]
-        ax.hist(y[~np.isnan(y)], bins=20)
-        ax.set_xlabel("mean staleness of a step's samples")
-        ax.set_ylabel("steps")
-    ax.set_title("staleness")
-    save(fig, "staleness.png")
-
-    fig = Figure(figsize=(8, 4))
-    ax = fig.subplots()
-    for key, label in (("generation_tokens_per_s", "generation"), (TRAIN_TOKENS_PER_S, "training")):
-        y = series[key]
-        shown = ~np.isnan(y)
-        if shown.any():
-            ax.plot(minutes[shown], y[shown], label=label)
-    ax.set_xlabel("wall time (min)")
-    ax.set_ylabel("tokens/s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("throughput")
-    save(fig, "throughput.png")
-    return written
