@@ -23,8 +23,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 from areal_jax.compilation_cache import enable_compilation_cache  # noqa: E402 (after the XLA flags)
 
-_SESSION_CACHE = tempfile.mkdtemp(prefix="areal-jax-test-xla-cache-")
-atexit.register(shutil.rmtree, _SESSION_CACHE, True)
+# One cache for the whole session: pytest-xdist's workers inherit the environment of the process that
+# loaded this file first, so both workers (and every subprocess) read and write the same directory; the
+# process that created it removes it at exit.
+_SESSION_CACHE = os.environ.get("AREAL_JAX_TEST_XLA_CACHE", "")
+if not _SESSION_CACHE:
+    _SESSION_CACHE = os.environ["AREAL_JAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="areal-jax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _SESSION_CACHE, True)
 enable_compilation_cache(_SESSION_CACHE)
 # The subprocesses the tests start (trainer workers, killed and resumed runs, role processes) share it through
 # JAX's environment flags, unless their config names a cache of its own: a program compiled by one of them is
