@@ -213,10 +213,12 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
-    from areal_jax.evaluation import resolve_checkpoint, run_eval
+    from areal_jax.evaluation import resolve_checkpoint, run_eval, with_adapter
 
     path, overrides = _split_config_args(args.rest)
     source = resolve_checkpoint(args.checkpoint)
+    if args.adapter is not None:
+        source = with_adapter(source, args.adapter)
     if path is None and source.config_file is not None:
         path = source.config_file
         logger.info("config: %s (the run's)", path)
@@ -407,6 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument(
         "--output", type=str, help="directory of eval.json and eval.md (local or gs://); default <checkpoint>/eval"
+    )
+    evaluate.add_argument(
+        "--adapter",
+        type=str,
+        help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) applied over the HF "
+        "checkpoint --checkpoint names",
     )
     evaluate.add_argument(
         "rest", nargs="*", help="[config.yaml] [section.key=value ...]; default config: the run's config.yaml"

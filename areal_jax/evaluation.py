@@ -22,6 +22,8 @@ from areal_jax.data.datasets import PromptRecord, load_prompts
 from areal_jax.data.tasks import drop_long_prompts
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
+from areal_jax.models.lora import split_trainable
+from areal_jax.models.peft_io import ADAPTER_CONFIG, load_peft_adapter, read_adapter_config
 from areal_jax.models.tokenizer import CHAR_SPEC
 from areal_jax.rollout.evaluation import EvalReport, evaluate
 from areal_jax.rollout.rewards import Reward
@@ -52,6 +54,8 @@ class CheckpointSource:
     hf_dir: Path | None  # local: an HF checkpoint on gs:// is evaluated from a downloaded copy
     run_dir: str | Path | None
     step: int | None
+    # a PEFT LoRA adapter directory applied over `hf_dir` (`--adapter`, or a LoRA run's hf_final/)
+    adapter: Path | None = None
 
     @property
     def config_file(self) -> str | None:
@@ -64,7 +68,7 @@ class CheckpointSource:
 
     def describe(self) -> str:
         if self.hf_dir is not None:
-            return str(self.hf_dir)
+            return str(self.hf_dir) + (f" + LoRA adapter {self.adapter}" if self.adapter is not None else "")
         return f"{self.run_dir} (training checkpoint {self.step})"
 
 
@@ -89,7 +93,30 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
         return CheckpointSource(path, None, path, step)
     if (path / HF_FINAL_DIR / "config.json").is_file():
         return CheckpointSource(path, path / HF_FINAL_DIR, path, None)
+    if (path / HF_FINAL_DIR / ADAPTER_CONFIG).is_file():  # a LoRA run's: the adapter over its base
+        return with_adapter(CheckpointSource(path, None, path, None), path / HF_FINAL_DIR)
     raise CheckpointSourceError(f"run directory {str(path)!r} has neither a training checkpoint nor hf_final/")
+
+
+def with_adapter(source: CheckpointSource, adapter: str | Path) -> CheckpointSource:
+    """`source` with the PEFT adapter directory `adapter` applied over it; without an HF directory of its own, over
+    the adapter's `base_model_name_or_path`."""
+    adapter = Path(adapter)
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        raise CheckpointSourceError(f"adapter {str(adapter)!r} is not a PEFT adapter directory: no {ADAPTER_CONFIG}")
+    if source.step is not None:
+        raise CheckpointSourceError(
+            f"--adapter applies over an HF checkpoint, not over training checkpoint {source.step}"
+        )
+    hf_dir = source.hf_dir
+    if hf_dir is None:
+        base = read_adapter_config(adapter).get("base_model_name_or_path")
+        if not base or not (Path(base) / "config.json").is_file():
+            raise CheckpointSourceError(
+                f"adapter {str(adapter)!r}: its base_model_name_or_path {base!r} is no HF directory"
+            )
+        hf_dir = Path(base)
+    return dataclasses.replace(source, hf_dir=hf_dir, adapter=adapter)
 
 
 def _resolve_remote_checkpoint(location: str) -> CheckpointSource:
@@ -215,10 +242,13 @@ def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | 
     tokenizer = build_tokenizer(cfg)
     mesh, _ = build_meshes(cfg)
     model = load_policy(cfg, mesh, tokenizer)
+    if source.adapter is not None:
+        model = load_peft_adapter(source.adapter, model)
     version = 0
     if source.step is not None:
         checkpoints = storage.join(source.path, CHECKPOINTS_DIR)
-        params, metadata = restore_trained_params(checkpoints, nnx.state(model), source.step)
+        trained = split_trainable(model.config, nnx.state(model))[0]  # LoRA: the checkpoint holds the adapters
+        params, metadata = restore_trained_params(checkpoints, trained, source.step)
         nnx.update(model, params)
         version = int(metadata.get("version", source.step))
     logger.info("evaluating %s (policy version %d) on mesh %s", source.describe(), version, dict(mesh.shape))

@@ -192,7 +192,7 @@ def run_warm_start(cfg: Any, tokenizer: Tokenizer) -> dict[str, Any]:
         length = max(len(workflow.render_prompt(r)) + len(tokenizer.encode(r.answer)) + 1 for r in train + heldout)
         examples = encode_examples(train, workflow.render_prompt, tokenizer, length)
         scored = encode_examples(heldout[: warm.heldout_examples], workflow.render_prompt, tokenizer, length)
-    model = random_policy(cfg, None, tokenizer)
+    model = random_policy(cfg.replace(model=cfg.model.replace(lora=None)), None, tokenizer)  # LoRA RL adapts it
     before = heldout_scores(model, scored)
     losses = train_warm_start(model, warm, examples, stream_seed(cfg.seed, "warm_start"))
     after = heldout_scores(model, scored)

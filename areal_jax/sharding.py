@@ -37,6 +37,7 @@ LOGICAL_RULES: Mapping[str, tuple[str, ...] | None] = {
     "gate_up": None,
     "layers": None,
     "norm": None,
+    "lora_rank": None,
     "slots": ("data", "fsdp"),
 }
 

@@ -84,7 +84,7 @@ def loss_and_gradient(step: TrainStep, params, batch: PackedBatch, logp_prox, ve
     clips the gradient and applies AdamW: the function its first program runs."""
     prox = logp_prox if step.needs_prox_pass else None
     ref = logp_ref if step.uses_reference else None
-    return _accumulate(step.program, params, batch, prox, ref, jnp.int32(version))
+    return _accumulate(step.program, params, step.frozen, batch, prox, ref, jnp.int32(version))
 
 
 def _run_update(step: TrainStep, state, batch: PackedBatch, version: int = 0):
@@ -184,7 +184,9 @@ def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
     (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
     params, _ = step.init(state)
     # lowered, not compiled (a compile costs seconds here): the program and its statistics
-    lowered = step._update_gradients.lower(step.program, params, step.put_batch(batch), None, None, jnp.int32(0))
+    lowered = step._update_gradients.lower(
+        step.program, params, step.frozen, step.put_batch(batch), None, None, jnp.int32(0)
+    )
     stats = lowered.out_info[2]
     assert "ppo/pg_loss" in stats and "train/grad_norm" in stats and "ppo/iw_mean" not in stats
 
@@ -198,7 +200,9 @@ def test_bf16_params_are_updated_in_bf16_when_the_user_chooses_them(caplog):
     (batch,) = build_batch(make_trajectories(np.random.default_rng(3), 8, lengths=(4, 24)), config).minibatches
     params, opt_state = step.init(state)
     # lowered, not compiled: the update keeps bf16 params and Adam moments shaped like them
-    gradients = step._update_gradients.lower(step.program, params, step.put_batch(batch), None, None, jnp.int32(0))
+    gradients = step._update_gradients.lower(
+        step.program, params, step.frozen, step.put_batch(batch), None, None, jnp.int32(0)
+    )
     grads = gradients.out_info[0]
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
     new_params, new_opt_state, _ = step._apply.lower(step.program, params, opt_state, grads).out_info

@@ -42,6 +42,7 @@ from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PagedSlots, 
 from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache
+from areal_jax.models.lora import adapter_free, adapter_state, is_adapter_only, layer_slices
 from areal_jax.models.serving_weights import cast_for_serving, needs_cast
 from areal_jax.progress import Progress
 from areal_jax.sharding import logical_to_spec, state_shardings
@@ -165,6 +166,10 @@ class Engine:
             out_shardings=(self._decode_shardings, emitted_sharding),
         )
         self._layer_states = jax.jit(lambda state: nnx.merge(self.graphdef, state).layer_states())
+        # LoRA: the base (and its layer copies) of the last full load; adapter-only versions are served over it
+        self._base: nnx.State | None = None
+        self._base_layers: tuple[nnx.State, ...] | None = None
+        self._adapter_layers = jax.jit(partial(layer_slices, num_layers=self.model_config.num_layers))
         cast = needs_cast(state, self.model_config)
         self._serving_cast = jax.jit(partial(cast_for_serving, cfg=self.model_config)) if cast else None
         self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
@@ -192,13 +197,47 @@ class Engine:
         weights for bf16 compute); its result then never aliases the arrays it was given."""
         return self._serving_cast is not None
 
+    def shardings_for(self, state: nnx.State) -> nnx.State:
+        """Where `load_params` places `state`: the engine's param shardings, or their adapter part for a LoRA
+        weight version that carries only adapters."""
+        return adapter_state(self.param_shardings) if self._adapters_only(state) else self.param_shardings
+
+    def _adapters_only(self, state: nnx.State) -> bool:
+        return self.model_config.lora is not None and is_adapter_only(state)
+
     def load_params(self, state: nnx.State, version: int) -> VersionedParams:
         """Place weights on the engine's shardings (no host round trip when they are already on device), each
-        in its serving dtype (`casts_weights`)."""
+        in its serving dtype (`casts_weights`).
+
+        With `model.lora`, a full state (the first version) also becomes the engine's base, kept once; a later
+        version may carry only the adapters (`lora.is_adapter_only`): they are placed and served over that base,
+        applied inside each projection's matmul (docs/lora.md: measured against merging them per version), so a
+        version moves and stores only adapter bytes and every program keeps its shapes (nothing recompiles)."""
+        if self._adapters_only(state):
+            return self._load_adapters(state, version)
         if self._serving_cast is not None:
             state = self._serving_cast(state)  # where `state` lives: the transfer then moves the smaller arrays
         state = jax.device_put(state, self.param_shardings)
         layers = self._layer_states(state) if self.layer_copies else None
+        if self.model_config.lora is not None:  # the base every adapter-only version is served over
+            self._base = adapter_free(state)
+            self._base_layers = None if layers is None else tuple(adapter_free(layer) for layer in layers)
+        return VersionedParams(state=state, version=version, layers=layers)
+
+    def _load_adapters(self, adapters: nnx.State, version: int) -> VersionedParams:
+        if self._base is None:
+            raise ValueError(
+                f"version {version} carries only LoRA adapters but the engine has no base yet: load the full "
+                "policy (base and adapters) once first"
+            )
+        if self._serving_cast is not None:
+            adapters = self._serving_cast(adapters)
+        adapters = jax.device_put(adapters, adapter_state(self.param_shardings))
+        state = nnx.merge_state(self._base, adapters)
+        layers = None
+        if self._base_layers is not None:
+            sliced = self._adapter_layers(adapters)
+            layers = tuple(nnx.merge_state(b, a) for b, a in zip(self._base_layers, sliced, strict=True))
         return VersionedParams(state=state, version=version, layers=layers)
 
     def init_decode_state(self) -> DecodeState:

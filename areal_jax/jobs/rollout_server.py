@@ -35,6 +35,8 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.serving_engine import ServingEngine
+from areal_jax.jobs.starting_policy import load_policy
+from areal_jax.models.lora import adapter_state
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.rollout.rewards import Reward
 from areal_jax.run_layout import EVAL_DIR
@@ -99,10 +101,19 @@ def run_rollout_server(
     mesh = make_mesh(cfg.mesh, jax.devices())  # with several processes: every process's devices
     policy = abstract_policy(cfg, tokenizer)
     engine = Engine(policy, cfg.rollout.engine, mesh)
-    target = abstract_target(nnx.state(policy), engine.param_shardings)  # what each version is loaded onto
+    state, shardings = nnx.state(policy), engine.param_shardings
+    if cfg.model.lora is not None:  # a LoRA version carries the adapters alone
+        state, shardings = adapter_state(state), adapter_state(shardings)
+    target = abstract_target(state, shardings)  # what each version is loaded onto
     if jax.process_count() == 1:
         with mirroring(cfg, only=frozenset({EVAL_DIR})):  # server 0's held-out evaluations, on a gs:// run
             return _serve(cfg, server, tokenizer, engine, target, stop_event)
+    if cfg.model.lora is not None:
+        raise ConfigError(
+            "model.lora",
+            f"is set but this rollout server spans {jax.process_count()} processes: serving LoRA versions is "
+            "supported by single-process rollout servers only (the followers would need the base too)",
+        )
     channel = _join_processes(cfg)
     if isinstance(channel, CommandReceiver):
         return _follow(cfg, server, engine, target, channel, stop_event)
@@ -133,6 +144,8 @@ def _serve(
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     if isinstance(engine, MirroredEngine):
         subscriber = MirroredWeights(subscriber, engine)
+    if cfg.model.lora is not None:  # versions carry adapters alone: the base comes once from the run's source
+        engine.load_params(nnx.state(load_policy(cfg, engine.mesh, tokenizer)), -1)
     resources.record(cfg.run_location, resources.rollout_role(server), jax.local_devices())
     try:
         with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:

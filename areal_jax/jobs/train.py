@@ -49,6 +49,7 @@ from areal_jax.reporting.run_reporter import RunReporter
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.run_layout import PROFILE_DIR
+from areal_jax.sft import cached_warm_start
 from areal_jax.system import resources
 from areal_jax.system.assembly import (
     build_meshes,
@@ -280,8 +281,9 @@ def _finish(
         return None
     if bad := nonfinite_leaves(trainer.params):
         raise RunFailed(f"the policy at step {trainer.version} has non-finite {bad[:3]}; nothing exported")
-    final = nnx.merge(trainer.graphdef, trainer.params)
-    return str(export_policy(cfg, final, cfg.layout.hf_final))  # every process gathers
+    final = nnx.merge(trainer.graphdef, trainer.policy_state())
+    base = cfg.hf_checkpoint or (cached_warm_start(cfg) if cfg.warm_start.steps else None)  # a LoRA adapter's
+    return str(export_policy(cfg, final, cfg.layout.hf_final, base=base))  # every process gathers
 
 
 def _outputs(cfg: ExperimentConfig) -> list[str]:
@@ -337,7 +339,13 @@ class InProcessRollouts:
         engine = Engine(run.model, cfg.rollout.engine, self.inference_mesh)
         resources.record_mesh(cfg.run_location, "rollout-0", self.inference_mesh)
         with open_rollout_side(
-            cfg, engine, unaliased_for(engine, trainer.params), trainer.version, run.workflow, run.stream, run.heldout
+            cfg,
+            engine,
+            unaliased_for(engine, trainer.policy_state()),  # the whole policy once; LoRA versions: adapters alone
+            trainer.version,
+            run.workflow,
+            run.stream,
+            run.heldout,
         ) as side:
             self.side = side
             self.done = side.exhausted

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.models.lora_config import LoRAConfig, check_rank
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # How HF checkpoints store weights (config.json `dtype` / `torch_dtype`): read into `param_dtype`, written back in
@@ -107,6 +108,10 @@ class ModelConfig(Config):
     )
     attention_impl: Literal["xla"] = option("xla", doc="attention kernel; 'xla' is the portable one")
     initializer_range: float = option(0.02, gt=0, doc="std of the normal init of fresh weights")
+    lora: LoRAConfig | None = option(
+        None,
+        doc="low-rank adapters on the projections: only they train and travel to the engines; null = full training",
+    )
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -120,6 +125,22 @@ class ModelConfig(Config):
             raise ConfigError("head_dim", f"value {self.resolved_head_dim} must be even for RoPE")
         if self.vocab_limit is not None and self.vocab_limit > self.vocab_size:
             raise ConfigError("vocab_limit", f"value {self.vocab_limit} must not exceed vocab_size={self.vocab_size}")
+        if self.lora is not None:
+            check_rank(self.lora, self.projection_widths)
+
+    @property
+    def projection_widths(self) -> dict[str, tuple[int, int]]:
+        """(input, output) width of each projection an adapter can target (`lora_config.TARGETS`)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
+        q, kv = self.num_heads * h, self.num_kv_heads * h
+        return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+
+    def num_lora_params(self) -> int:
+        """Adapter parameter count (0 without `lora`): rank * (input + output) per targeted projection and layer."""
+        if self.lora is None:
+            return 0
+        widths = self.projection_widths
+        return self.num_layers * sum(self.lora.rank * sum(widths[t]) for t in self.lora.targets)
 
     @property
     def resolved_head_dim(self) -> int:

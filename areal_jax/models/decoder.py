@@ -28,6 +28,7 @@ from flax import nnx
 from areal_jax.models.attention import get_attention, paged_decode_attention, pages_per_block
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
+from areal_jax.models.lora import lora_rngs
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
 _REMAT_POLICIES: dict[str, Any] = {
@@ -150,11 +151,11 @@ class Decoder(nnx.Module):
             self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg, cfg.initializer_range)
 
             @nnx.split_rngs(splits=cfg.num_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make_layers(layer_rngs: nnx.Rngs) -> DecoderLayer:
-                return DecoderLayer(cfg, layer_rngs)
+            @nnx.vmap(in_axes=(0, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_layers(layer_rngs: nnx.Rngs, layer_lora_rngs: nnx.Rngs | None) -> DecoderLayer:
+                return DecoderLayer(cfg, layer_rngs, layer_lora_rngs)
 
-            self.layers = make_layers(rngs)
+            self.layers = make_layers(rngs, lora_rngs(cfg))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg)
             self.lm_head = (
                 None

@@ -28,6 +28,8 @@ from safetensors.numpy import save_file
 
 from areal_jax.models.config import CHECKPOINT_DTYPES, ModelConfig, RopeScalingConfig
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.init import fresh_adapters
+from areal_jax.models.lora import adapter_free
 from areal_jax.progress import Progress
 from areal_jax.sharding import state_shardings
 
@@ -332,7 +334,8 @@ def load_hf_checkpoint(
             lambda v: v.replace(replicated), abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
     mappings = tensor_mappings(cfg)
-    flat_abstract = dict(nnx.to_flat_state(abstract_state))
+    # LoRA adapters are not in an HF checkpoint: they start fresh (`peft_io` loads trained ones)
+    flat_abstract = dict(nnx.to_flat_state(adapter_free(abstract_state)))
     flat_shardings = dict(nnx.to_flat_state(shardings))
     unmapped = set(flat_abstract) - set(mappings)
     if unmapped:
@@ -351,6 +354,8 @@ def load_hf_checkpoint(
             loaded[path] = var.replace(array)
             progress.advance("/".join(map(str, path)))
     state = nnx.from_flat_state(loaded)
+    if cfg.lora is not None:
+        state = nnx.merge_state(state, fresh_adapters(cfg, shardings))
     nbytes = sum(v.get_value().nbytes for v in loaded.values())
     progress.done(
         f"{cfg.num_params() / 1e6:.0f}M parameters stored as {checkpoint_dtype(hf)}, held as "
@@ -371,6 +376,11 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def iter_hf_tensors(cfg: ModelConfig, model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) for every tensor of `model`, in HF layout and `cfg`'s export dtype (rounded to
     nearest), one parameter on the host at a time."""
+    if cfg.lora is not None:
+        raise ValueError(
+            "an HF checkpoint holds no LoRA adapters: export them with peft_io.save_peft_adapter, or merge them "
+            "first (lora.merged_state) into the decoder without lora"
+        )
     flat_state = dict(nnx.to_flat_state(nnx.state(model)))
     dtype = _NUMPY_DTYPES[cfg.resolved_export_dtype]
     for path, mapping in tensor_mappings(cfg).items():

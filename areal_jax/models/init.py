@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.lora import adapter_state
 from areal_jax.sharding import state_shardings
 
 
@@ -27,3 +28,11 @@ def abstract_like(model: Decoder) -> Decoder:
     graphdef, state = nnx.split(model)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     return nnx.merge(graphdef, abstract)
+
+
+def fresh_adapters(cfg: ModelConfig, shardings: nnx.State) -> nnx.State:
+    """The freshly initialised LoRA adapters of `cfg`'s decoder (seed `lora.seed`), placed as the adapter part of
+    `shardings` says; the base is never materialised (compiled away)."""
+    return jax.jit(
+        lambda: adapter_state(nnx.state(Decoder(cfg, nnx.Rngs(0)))), out_shardings=adapter_state(shardings)
+    )()

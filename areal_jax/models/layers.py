@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora import adapter
 from areal_jax.models.rope import apply_rope
 
 
@@ -45,7 +46,7 @@ class QKVProjection(nnx.Module):
     head groups, so the attention that follows needs no communication.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         d, k, h = cfg.hidden_size, cfg.num_kv_heads, cfg.resolved_head_dim
         self.group = cfg.num_heads // k
         self.compute_dtype = cfg.compute_jnp_dtype
@@ -57,6 +58,7 @@ class QKVProjection(nnx.Module):
             self.k_norm = RMSNorm(h, cfg, axis_name="head_dim")
         else:
             self.q_norm = self.k_norm = None
+        self.lora_q, self.lora_k, self.lora_v = (adapter(cfg, t, lora_rngs) for t in ("q", "k", "v"))
 
     def __call__(
         self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array
@@ -69,6 +71,12 @@ class QKVProjection(nnx.Module):
         q_BxTxNxH = qkv_BxTxKxJxH[:, :, :, :g].reshape(b, t, -1, qkv_BxTxKxJxH.shape[-1])
         k_BxTxKxH = qkv_BxTxKxJxH[:, :, :, g]
         v_BxTxKxH = qkv_BxTxKxJxH[:, :, :, g + 1]
+        if self.lora_q is not None:
+            q_BxTxNxH = q_BxTxNxH + self.lora_q(x_BxTxD).reshape(q_BxTxNxH.shape)
+        if self.lora_k is not None:
+            k_BxTxKxH = k_BxTxKxH + self.lora_k(x_BxTxD)
+        if self.lora_v is not None:
+            v_BxTxKxH = v_BxTxKxH + self.lora_v(x_BxTxD)
         if self.q_norm is not None and self.k_norm is not None:
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
@@ -114,25 +122,38 @@ gated_projection.defvjp(_gated_projection_fwd, _gated_projection_bwd)
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)), gate and up as one matmul over a [D, 2, F] kernel (gate, then up)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.compute_dtype = cfg.compute_jnp_dtype
         self.gate_up = _param(rngs, (d, 2, f), ("embed", "gate_up", "mlp"), cfg, cfg.initializer_range)
         self.down = _param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.initializer_range)
+        self.lora_gate, self.lora_up, self.lora_down = (adapter(cfg, t, lora_rngs) for t in ("gate", "up", "down"))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         dtype = self.compute_dtype
-        hidden_BxTxF = gated_projection(x_BxTxD, self.gate_up[...].astype(dtype))
-        return hidden_BxTxF @ self.down[...].astype(dtype)
+        if self.lora_gate is None and self.lora_up is None:
+            hidden_BxTxF = gated_projection(x_BxTxD, self.gate_up[...].astype(dtype))
+        else:  # adapters on the pre-activations: autodiff (the frozen kernel needs no gradient of its own)
+            gate_up_BxTx2xF = jnp.einsum("btd,dcf->btcf", x_BxTxD, self.gate_up[...].astype(dtype))
+            gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
+            if self.lora_gate is not None:
+                gate_BxTxF = gate_BxTxF + self.lora_gate(x_BxTxD)
+            if self.lora_up is not None:
+                up_BxTxF = up_BxTxF + self.lora_up(x_BxTxD)
+            hidden_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
+        out_BxTxD = hidden_BxTxF @ self.down[...].astype(dtype)
+        if self.lora_down is not None:
+            out_BxTxD = out_BxTxD + self.lora_down(hidden_BxTxF)
+        return out_BxTxD
 
 
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block. Split in two halves around attention so callers choose the kernel
     and where keys/values come from (fresh, or a KV cache)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg)
-        self.qkv = QKVProjection(cfg, rngs)
+        self.qkv = QKVProjection(cfg, rngs, lora_rngs)
         self.o = _param(
             rngs,
             (cfg.num_heads, cfg.resolved_head_dim, cfg.hidden_size),
@@ -141,7 +162,8 @@ class DecoderLayer(nnx.Module):
             cfg.initializer_range,
         )
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg)
-        self.mlp = SwiGLU(cfg, rngs)
+        self.mlp = SwiGLU(cfg, rngs, lora_rngs)
+        self.lora_o = adapter(cfg, "o", lora_rngs)
         self.compute_dtype = cfg.compute_jnp_dtype
 
     def attention_inputs(
@@ -157,4 +179,6 @@ class DecoderLayer(nnx.Module):
         # XLA transpose the kernel on every call.
         o_QxD = self.o[...].astype(self.compute_dtype).reshape(n * h, -1)
         h_BxTxD = x_BxTxD + attention_BxTxNxH.reshape(b, t, n * h) @ o_QxD
+        if self.lora_o is not None:
+            h_BxTxD = h_BxTxD + self.lora_o(attention_BxTxNxH)
         return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD))

@@ -1,6 +1,7 @@
 """The memory plan of a run, from its config alone (nothing compiled): what each device of each mesh holds.
 
-Trainer devices: params, Adam moments and gradients (sharded over fsdp x tensor), the largest micro-batch's
+Trainer devices: params, Adam moments and gradients (sharded over fsdp x tensor; with `model.lora` the moments
+and gradients of the adapters alone), the largest micro-batch's
 activations under the chosen remat, the log-prob chunks' logits, the update's temporaries. Inference devices:
 the engine's weights (in their serving dtype) and per-layer copies, the KV cache (dense or paged), the prefill
 and decode temporaries. Each line names the config keys that change it; `check` refuses a run that cannot fit,
@@ -157,7 +158,10 @@ def trainer_items(
 ) -> list[MemoryItem]:
     """Per trainer device: the state, the largest micro-batch's activations, logits, temporaries."""
     param_shards = _shards(mesh_shape, "fsdp", "tensor")
-    params = model.num_params() * _bytes(model.param_dtype) // param_shards
+    params = (model.num_params() + model.num_lora_params()) * _bytes(model.param_dtype) // param_shards
+    # what the optimizer updates: every parameter, or with model.lora the adapters alone (the base has no moments
+    # and no gradient)
+    trained = (model.num_lora_params() or model.num_params()) * _bytes(model.param_dtype) // param_shards
     packing = cfg.packing_on(platform)
     batch_shards = _shards(mesh_shape, "data", "fsdp")
     rows = max(1, packing.rows // batch_shards)
@@ -174,18 +178,20 @@ def trainer_items(
         activations = model.num_layers * layer
     logits = model.resolved_logprob_chunk * model.vocab_size * 4 * 4  # logits, probabilities and cotangents
     state_keys = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
+    trained_keys = (*state_keys, "model.lora")
+    of = " of the adapters" if model.lora is not None else ""
     # a mini-batch of at most `rows` sequences always packs into one micro-batch (each fits a row): its gradient
     # needs no accumulator beside it
     sequences = -(-cfg.rollout.staleness.batch_prompts * cfg.rollout.workflow.n_samples // cfg.trainer.ppo_minibatches)
     one_microbatch = sequences <= packing.rows
     gradients = (
-        MemoryItem("gradients", params, state_keys)
+        MemoryItem(f"gradients{of}", trained, trained_keys)
         if one_microbatch
-        else (MemoryItem("gradients (accumulated + micro-batch)", 2 * params, state_keys))
+        else (MemoryItem(f"gradients{of} (accumulated + micro-batch)", 2 * trained, trained_keys))
     )
     return [
         MemoryItem("params", params, state_keys),
-        MemoryItem("Adam moments", 2 * params, state_keys),
+        MemoryItem(f"Adam moments{of}", 2 * trained, trained_keys),
         gradients,
         MemoryItem(
             f"activations ({tokens} tokens, remat {model.remat})",

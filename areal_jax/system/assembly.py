@@ -24,6 +24,8 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import model_config_from_hf, save_hf_checkpoint
 from areal_jax.models.init import create_decoder
+from areal_jax.models.lora import adapter_free, merged_state
+from areal_jax.models.peft_io import save_peft_adapter
 from areal_jax.models.tokenizer import CHAR_SPEC, Tokenizer, load_tokenizer
 from areal_jax.rollout.rewards import Reward, RewardConfig
 from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow, WorkflowConfig
@@ -56,7 +58,7 @@ def build_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh]:
 
 
 # The fields of `model` that are run-time choices, not architecture: they apply over an HF checkpoint.
-RUN_TIME_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "logprob_chunk", "attention_impl")
+RUN_TIME_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "logprob_chunk", "attention_impl", "lora")
 # Fields derived per run (the tokenizer's vocabulary) or given by the checkpoint unless the user sets them.
 _DERIVED_FIELDS = ("vocab_limit", "export_dtype")
 
@@ -135,11 +137,32 @@ def random_policy(cfg: ExperimentConfig, mesh: Mesh | None, tokenizer: Tokenizer
     return create_decoder(cfg.model.replace(vocab_limit=limit), stream_seed(cfg.seed, "init"), mesh)
 
 
-def export_policy(cfg: ExperimentConfig, model: Decoder, directory: str | Path) -> Path:
-    """`model` as an HF checkpoint in `directory`, with the run's tokenizer files when it has some."""
+def export_policy(cfg: ExperimentConfig, model: Decoder, directory: str | Path, base: str | Path | None = None) -> Path:
+    """`model` as an HF checkpoint in `directory`, with the run's tokenizer files when it has some.
+
+    A LoRA model is written as a PEFT adapter directory instead (`peft_io`), whose `base_model_name_or_path` is
+    `base` (the HF checkpoint the run started from: its own or its warm start), else the base itself written
+    to `directory/base` (a random init); with `model.lora.export_merged` also as merged full weights in
+    `directory/merged`."""
     spec = tokenizer_spec(cfg)
     tokenizer_dir = Path(spec) if spec != CHAR_SPEC else None
-    return save_hf_checkpoint(model.config, model, directory, tokenizer_dir=tokenizer_dir)
+    lora = model.config.lora
+    if lora is None:
+        return save_hf_checkpoint(model.config, model, directory, tokenizer_dir=tokenizer_dir)
+    directory = Path(directory)
+    plain = model.config.replace(lora=None)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(plain, nnx.Rngs(0))))
+    source = None if base is None else str(base)
+    state = nnx.state(model)
+    save_peft_adapter(model.config, state, directory, str(source or directory.absolute() / "base"))
+    if source is None:
+        save_hf_checkpoint(
+            plain, nnx.merge(graphdef, adapter_free(state)), directory / "base", tokenizer_dir=tokenizer_dir
+        )
+    if lora.export_merged:
+        merged = nnx.merge(graphdef, jax.jit(lambda s: merged_state(model.config, s))(state))
+        save_hf_checkpoint(plain, merged, directory / "merged", tokenizer_dir=tokenizer_dir)
+    return directory
 
 
 def build_workflow(config: WorkflowConfig, tokenizer: Tokenizer, reward: Reward) -> RolloutWorkflow:

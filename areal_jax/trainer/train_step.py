@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.lora import LoRAParam
 from areal_jax.objectives.config import KLEstimator, PPOConfig
 from areal_jax.objectives.kl import kl_shaped_advantages
 from areal_jax.objectives.ppo import ppo_loss
@@ -70,8 +71,8 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 def decay_mask(params: nnx.State) -> nnx.State:
     """True for the parameters weight decay applies to: matmul kernels and embeddings, told by their logical
-    axes (the variables' sharding metadata). Each of them has the model-width axis `embed`; no bias
-    ([heads, head_dim]) or norm scale ([norm] or [head_dim]) has it."""
+    axes (the variables' sharding metadata), and LoRA adapters (decay pulls them toward the base). Each kernel
+    has the model-width axis `embed`; no bias ([heads, head_dim]) or norm scale ([norm] or [head_dim]) has it."""
 
     def decays(path: tuple[Any, ...], variable: Any) -> Any:
         names = variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
@@ -80,7 +81,7 @@ def decay_mask(params: nnx.State) -> nnx.State:
                 f"parameter {jax.tree_util.keystr(path)} has no logical axis names (out_sharding metadata); "
                 "the weight-decay mask is read from them"
             )
-        return variable.replace("embed" in names)
+        return variable.replace(isinstance(variable, LoRAParam) or "embed" in names)
 
     return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -141,8 +142,8 @@ class _Scorer:
     graphdef: nnx.GraphDef
     temperature: float
 
-    def token_logprobs(self, params: nnx.State, mb: PackedBatch) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(self.graphdef, params)
+    def token_logprobs(self, params: nnx.State, frozen: nnx.State, mb: PackedBatch) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(self.graphdef, params, frozen)
         return model.token_logprobs(mb.tokens, mb.targets, mb.segment_ids, mb.positions, self.temperature)
 
 
@@ -175,14 +176,15 @@ class _Program:
         return jax.tree.unflatten(self.params_def, [0] * len(self.param_sharding_leaves))
 
 
-def _logprobs_fn(scorer: _Scorer, params: nnx.State, batch: PackedBatch) -> jax.Array:
-    logp_MxBxL = jax.lax.map(lambda mb: scorer.token_logprobs(params, mb)[0], batch)
+def _logprobs_fn(scorer: _Scorer, params: nnx.State, frozen: nnx.State, batch: PackedBatch) -> jax.Array:
+    logp_MxBxL = jax.lax.map(lambda mb: scorer.token_logprobs(params, frozen, mb)[0], batch)
     return jax.lax.stop_gradient(logp_MxBxL)
 
 
 def _microbatch_loss(
     program: _Program,
     params: nnx.State,
+    frozen: nnx.State,
     mb: PackedBatch,
     logp_prox_BxL: jax.Array | None,
     logp_ref_BxL: jax.Array | None,
@@ -190,7 +192,7 @@ def _microbatch_loss(
     num_loss_sequences: jax.Array | None,
     version: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, mb)
+    logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, frozen, mb)
     method, prox_stats = program.ppo.prox_logp_method, {}
     if program.ppo.decoupled and method == "auto" and program.prox_is_current:
         logp_prox_BxL = jax.lax.stop_gradient(logp_BxL)  # the params are the step's starting weights
@@ -237,13 +239,15 @@ def _microbatch_loss(
 def _gradients_fn(
     program: _Program,
     params: nnx.State,
+    frozen: nnx.State,
     batch: PackedBatch,
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
     """Sum over micro-batches of loss and gradient (each normalised by the whole mini-batch's loss tokens, or
-    with `loss_agg: seq_mean_token_mean` its sequences)."""
+    with `loss_agg: seq_mean_token_mean` its sequences), with respect to `params` only (`frozen`, the base under
+    LoRA adapters, gets none)."""
     num_loss_tokens = count_loss_tokens(batch.loss_mask)
     num_loss_sequences = None
     if program.ppo.loss_agg == "seq_mean_token_mean":
@@ -252,7 +256,9 @@ def _gradients_fn(
     if batch.tokens.shape[0] == 1:  # one micro-batch: its gradient is the sum, no accumulator beside it
         first = partial(jax.tree.map, lambda x: x[0])
         prox, ref = (None if x is None else x[0] for x in (logp_prox_MxBxL, logp_ref_MxBxL))
-        (loss, stats), grads = grad_fn(params, first(batch), prox, ref, num_loss_tokens, num_loss_sequences, version)
+        (loss, stats), grads = grad_fn(
+            params, frozen, first(batch), prox, ref, num_loss_tokens, num_loss_sequences, version
+        )
         grads = jax.lax.with_sharding_constraint(grads, program.param_shardings)
         return loss, grads, merge_stats(jax.tree.map(lambda x: x[None], stats))
 
@@ -261,7 +267,7 @@ def _gradients_fn(
     ) -> tuple[nnx.State, tuple[jax.Array, dict[str, jax.Array]]]:
         mb, logp_prox_BxL, logp_ref_BxL = xs
         (loss, stats), mb_grads = grad_fn(
-            params, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, num_loss_sequences, version
+            params, frozen, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, num_loss_sequences, version
         )
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, mb_grads), program.param_shardings)
         return grads, (loss, stats)
@@ -274,13 +280,14 @@ def _gradients_fn(
 def _update_gradients_fn(
     program: _Program,
     params: nnx.State,
+    frozen: nnx.State,
     batch: PackedBatch,
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
 ) -> tuple[nnx.State, jax.Array, dict[str, jax.Array]]:
     """The update's first program: (clipped gradient, whether the gradient is finite, statistics)."""
-    loss, grads, stats = _gradients_fn(program, params, batch, logp_prox_MxBxL, logp_ref_MxBxL, version)
+    loss, grads, stats = _gradients_fn(program, params, frozen, batch, logp_prox_MxBxL, logp_ref_MxBxL, version)
     finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))  # apply_if_finite's
     stats |= {
         "train/loss": loss,
@@ -343,12 +350,24 @@ class TrainStep:
     the optimizer state there, `place` places a copy of other params of the same model (the reference
     policy's). Each jitted function compiles once per batch shape (shared with every other `TrainStep` of
     the same model, settings and mesh).
+
+    With LoRA (`model.lora`) `params` are the adapters alone and `frozen` the base (`lora.split_trainable`): the
+    base is placed once (`frozen` attribute) and passed to every pass, with no gradient, optimizer state or
+    update of its own.
     """
 
     def __init__(
-        self, graphdef: nnx.GraphDef, params: nnx.State, config: TrainerConfig, mesh: Mesh, *, temperature: float
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        config: TrainerConfig,
+        mesh: Mesh,
+        *,
+        temperature: float,
+        frozen: nnx.State | None = None,
     ):
-        model_config = nnx.merge(graphdef, params).config
+        frozen = nnx.State({}) if frozen is None else frozen
+        model_config = nnx.merge(graphdef, params, frozen).config
         if model_config.param_dtype != "float32":
             logger.warning(
                 "model.param_dtype is %r: the trainer updates %s weights directly (no float32 master copy); an "
@@ -366,6 +385,7 @@ class TrainStep:
         self.schedule = learning_rate_schedule(config.optimizer)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.param_shardings = state_shardings(abstract, mesh)
+        frozen_shardings = state_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen), mesh)
         self.program = _Program(
             _Scorer(graphdef, temperature),
             config.optimizer,
@@ -384,14 +404,18 @@ class TrainStep:
         params_sh, opt_sh, batch_sh = self.param_shardings, self.opt_shardings, self.batch_sharding
         replicated = NamedSharding(mesh, PartitionSpec())
         self._copy = jax.jit(_copy_fn, in_shardings=(params_sh,), out_shardings=params_sh)
+        # the frozen base (LoRA): placed once, an argument of every pass, never differentiated nor updated
+        self.frozen = jax.jit(_copy_fn, in_shardings=(frozen_shardings,), out_shardings=frozen_shardings)(
+            jax.device_put(frozen, frozen_shardings)
+        )
         self._init = jax.jit(_init_fn, static_argnums=0, in_shardings=(params_sh,), out_shardings=opt_sh)
         self._logprobs = jax.jit(
-            _logprobs_fn, static_argnums=0, in_shardings=(params_sh, batch_sh), out_shardings=batch_sh
+            _logprobs_fn, static_argnums=0, in_shardings=(params_sh, frozen_shardings, batch_sh), out_shardings=batch_sh
         )
         self._update_gradients = jax.jit(
             _update_gradients_fn,
             static_argnums=0,
-            in_shardings=(params_sh, batch_sh, batch_sh, batch_sh, replicated),
+            in_shardings=(params_sh, frozen_shardings, batch_sh, batch_sh, batch_sh, replicated),
             out_shardings=(params_sh, replicated, replicated),
         )
         self._apply = jax.jit(
@@ -439,7 +463,7 @@ class TrainStep:
     def logprobs(self, params: nnx.State, batch: PackedBatch) -> jax.Array:
         """log pi(target) [M, B, L] of every position under `params`, at the trainer's temperature: the
         proximal log-probs with the step's params, the reference log-probs with the reference params."""
-        return self._logprobs(self.program.scorer, params, batch)
+        return self._logprobs(self.program.scorer, params, self.frozen, batch)
 
     def update(
         self,
@@ -468,7 +492,9 @@ class TrainStep:
             raise ValueError("prox_is_current needs ppo.prox_logp_method auto")
         prox = None if program.prox_is_current else self._prox_arg(logp_prox)
         ref = self._ref_arg(logp_ref)
-        grads, finite, stats = self._update_gradients(program, params, batch, prox, ref, jnp.int32(version))
+        grads, finite, stats = self._update_gradients(
+            program, params, self.frozen, batch, prox, ref, jnp.int32(version)
+        )
         if bool(finite.addressable_data(0)):  # waits for the gradient: the next program depends on it
             params, opt_state, applied = self._apply(self.program, params, opt_state, grads)
         else:

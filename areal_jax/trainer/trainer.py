@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from areal_jax.configuration import ConfigError
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.lora import split_trainable
 from areal_jax.objectives.stats import merge_stats
 from areal_jax.trainer.batching import PackedBatch, Planner, build_batch
 from areal_jax.trainer.config import TrainerConfig
@@ -83,7 +84,8 @@ class Trainer:
     """Owns the trainer-side params and optimizer state of one decoder on one mesh and runs PPO steps.
 
     `params` (an `nnx.State` on the trainer mesh) are donated to the next update, so whoever keeps them
-    beyond a step (a weight publisher) must copy them (e.g. onto its own shardings) first. `planner`
+    beyond a step (a weight publisher) must copy them (e.g. onto its own shardings) first. With `model.lora` they
+    are the adapters alone (what a version publishes and a checkpoint saves); the base is `frozen`. `planner`
     replaces the bucketed packing (e.g. the fixed-count baseline in the benchmark).
 
     `reference_params` (an `nnx.State` of the same model, e.g. a copy of the initial params) is the frozen
@@ -120,7 +122,9 @@ class Trainer:
                         "reference policy's params (e.g. a copy of the initial checkpoint's) or set it to 0",
                     )
         graphdef, state = nnx.split(model)
-        self.train_step = TrainStep(graphdef, state, config, mesh, temperature=temperature)
+        state, frozen = split_trainable(model.config, state)
+        self.train_step = TrainStep(graphdef, state, config, mesh, temperature=temperature, frozen=frozen)
+        del frozen  # the train step holds the placed copy
         shards = self.train_step.batch_shards
         if config.packing.token_budget == "auto":  # a run resolves it for its longest sample (packing_on) first
             config = config.replace(packing=config.packing.resolved(mesh.devices.flat[0].platform))
@@ -136,6 +140,7 @@ class Trainer:
                 )
         self.reference_params: nnx.State | None = None
         if reference_params is not None:
+            reference_params = split_trainable(model.config, reference_params)[0]  # LoRA: the same frozen base
             _check_reference(reference_params, state)
             if self.train_step.uses_reference:
                 self.reference_params = self.train_step.place(reference_params)
@@ -151,6 +156,15 @@ class Trainer:
     @property
     def graphdef(self) -> nnx.GraphDef:
         return self.train_step.graphdef
+
+    @property
+    def frozen(self) -> nnx.State:
+        """The parameters the trainer does not update: the base under LoRA adapters (empty without LoRA)."""
+        return self.train_step.frozen
+
+    def policy_state(self) -> nnx.State:
+        """The whole policy's parameters: `params`, with the frozen base under LoRA (its arrays, not copies)."""
+        return nnx.merge_state(self.frozen, self.params) if self.frozen else self.params
 
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One training step on one batch of trajectories; returns its statistics (host floats)."""

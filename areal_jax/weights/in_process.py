@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 def unaliased_for(engine: Engine, params: nnx.State) -> nnx.State:
     """What to hand `engine.load_params` of trainer params the trainer donates to its next step: the params
     themselves when the engine stores cast copies of them (`Engine.casts_weights`), else a device-to-device
-    copy onto its shardings."""
-    return params if engine.casts_weights else copy_to(params, engine.param_shardings)
+    copy onto its shardings (for a LoRA version of adapters alone, their shardings)."""
+    return params if engine.casts_weights else copy_to(params, engine.shardings_for(params))
 
 
 class InProcessPublisher:
