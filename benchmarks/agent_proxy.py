@@ -3,9 +3,14 @@ real `openai` client, `rollout.workflow.kind: agent`) and through the built-in m
 
 Both run G groups of n episodes of T model turns on one generator and engine, all groups at once as the
 rollout controller keeps them; each turn samples up to `max_new_tokens` tokens and the environment (built-in)
-or the agent (proxy) answers with the same fixed user message. The proxy path adds HTTP, JSON, the chat
-template's rendering per turn and the session records. Each mode runs `--repeats` times, alternating, after
-one untimed pass each; the best run of each counts.
+or the agent (proxy) answers with the same fixed user message. The proxy path adds the `openai` client's work
+(building the request, parsing the answer: about 1 ms of CPU a turn), the proxy's (JSON, the chat template's
+rendering per turn, the session records) and, with `--transport http`, HTTP over the loopback. Each mode runs
+`--repeats` times, alternating, after one untimed pass each; the best run of each counts. The proxy shortens
+the interpreter's GIL switch interval (`agent.switch_interval_s`) when it starts, before the timed runs of
+either mode, so both run under the same interval (printed).
+
+`{mode}_cpu_seconds` is the process's CPU time over the run (all threads, XLA's included).
 
 Prints `name: value unit` lines; the last is `ratio proxy_vs_builtin: X.XX` (generated tokens/s).
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -22,7 +28,6 @@ import jax
 from common import MODEL_100M, QWEN2_3M
 from flax import nnx
 
-from areal_jax.agents.config import AgentConfig
 from areal_jax.agents.workflow import AgentWorkflow
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.inference.engine import Engine, EngineConfig
@@ -30,6 +35,7 @@ from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from areal_jax.rollout.agent_config import AgentConfig
 from areal_jax.rollout.environments import EnvStep
 from areal_jax.rollout.workflow import MultiTurnWorkflow, RolloutWorkflow, WorkflowConfig
 
@@ -58,34 +64,43 @@ async def fixed_reply_agent(client: Any, task: Any) -> float:
     return 0.0
 
 
-def run_groups(workflow: RolloutWorkflow, generator: Generator, groups: int) -> tuple[float, int, int, int, int]:
-    """(seconds, generated tokens, turns, prefill calls, decode steps) of `groups` groups run at once."""
+def run_groups(workflow: RolloutWorkflow, generator: Generator, groups: int) -> tuple[float, int, int, int, int, float]:
+    """(seconds, generated tokens, turns, prefill calls, decode steps, CPU seconds) of `groups` groups run at
+    once."""
     stats = dataclasses.replace(generator.stats)
     tasks = [PromptRecord(f"t{g}", f"{g}+{g}=", str(2 * g), None, "bench", {}) for g in range(groups)]
 
     async def all_groups() -> list:
         return await asyncio.gather(*(workflow.run(generator, task, g) for g, task in enumerate(tasks)))
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     results = asyncio.run(all_groups())
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     trajectories = [t for group in results for t in group]
     tokens = sum(t.num_loss_tokens for t in trajectories)
     turns = sum(t.metadata["num_turns"] for t in trajectories)
     now = generator.stats
-    return seconds, tokens, turns, now.prefill_calls - stats.prefill_calls, now.decode_steps - stats.decode_steps
+    prefill_calls, decode_steps = now.prefill_calls - stats.prefill_calls, now.decode_steps - stats.decode_steps
+    return seconds, tokens, turns, prefill_calls, decode_steps, cpu_seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16 groups of 4 episodes (< 60 s on 2 cores)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each mode (the best counts)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode (the best counts)")
+    parser.add_argument(
+        "--transport",
+        choices=("local", "http"),
+        default="local",
+        help="agent.transport of the proxy's agents: in-process ('local', the default) or over the proxy's port",
+    )
     parser.add_argument(
         "--model", choices=("3m", "100m"), default="3m", help="the policy: common.QWEN2_3M or common.MODEL_100M"
     )
     args = parser.parse_args()
     print(f"backend: {jax.default_backend()}")
     print(f"policy: {args.model}")
+    print(f"transport: {args.transport}")
     groups, n, new_tokens, slots = (16, 4, 16, 32) if args.quick else (64, 8, 64, 128)
     tokenizer = CharTokenizer(DEFAULT_ALPHABET)
     policy = QWEN2_3M if args.model == "3m" else MODEL_100M
@@ -93,7 +108,9 @@ def main() -> None:
     engine = Engine(model, EngineConfig(max_slots=slots, max_length=256, min_prefill_bucket=32, max_prefill_batch=8))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=tuple(tokenizer.encode(STOPS)))
     config = WorkflowConfig(n_samples=n, sampling=sampling, max_turns=TURNS)
-    agent = config.replace(kind="agent", agent=AgentConfig(function="agent_proxy:fixed_reply_agent"))
+    agent = config.replace(
+        kind="agent", agent=AgentConfig(function="agent_proxy:fixed_reply_agent", transport=args.transport)
+    )
     with (
         Generator(engine, engine.load_params(nnx.state(model), 0), detokenize=tokenizer.decode) as generator,
         MultiTurnWorkflow(config, tokenizer, FixedReply()) as builtin,
@@ -102,15 +119,17 @@ def main() -> None:
         modes = {"builtin": builtin, "proxy": proxy}
         for workflow in modes.values():
             run_groups(workflow, generator, groups)  # compiles, starts the proxy
-        best: dict[str, tuple[float, int, int, int, int]] = {}
+        best: dict[str, tuple[float, int, int, int, int, float]] = {}
         for _ in range(args.repeats):
             for name, workflow in modes.items():
                 run = run_groups(workflow, generator, groups)
                 if name not in best or run[1] / run[0] > best[name][1] / best[name][0]:
                     best[name] = run
-    for name, (seconds, tokens, turns, prefill_calls, decode_steps) in best.items():
+    print(f"gil_switch_interval: {sys.getswitchinterval() * 1e3:.2f} ms")
+    for name, (seconds, tokens, turns, prefill_calls, decode_steps, cpu_seconds) in best.items():
         print(f"{name}_throughput: {tokens / seconds:.1f} tokens/s")
         print(f"{name}_seconds: {seconds:.2f} s")
+        print(f"{name}_cpu_seconds: {cpu_seconds:.2f} s")
         print(f"{name}_turns: {turns} turns")
         print(f"{name}_prefill_calls: {prefill_calls} calls")
         print(f"{name}_decode_steps: {decode_steps} steps")

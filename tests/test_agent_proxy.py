@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -15,14 +16,15 @@ import openai
 import pytest
 from flax import nnx
 
-from areal_jax.agents.config import AgentConfig
-from areal_jax.agents.server import AgentProxy
+from areal_jax.agents.local_transport import LocalTransport, route_of
+from areal_jax.agents.server import AgentProxy, Route
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import HFTokenizer
+from areal_jax.rollout.agent_config import AgentConfig
 from tests.tiny_hf_run import make_bpe_tokenizer_dir
 
 # Qwen2.5's chat template with tools (Hermes <tool_call> syntax), its long tool preamble cut to the tools' names
@@ -258,6 +260,51 @@ def test_tool_call_turns_continue_the_recorded_ids_and_equal_a_direct_generator_
         "<tool_response>\nerror: the arguments are not JSON\n</tool_response><|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": '
     )
+
+
+def test_the_local_transport_answers_and_records_as_http(proxy, tokenizer):
+    messages = [{"role": "user", "content": "What is 7 * 6?"}]
+
+    async def local(agent):
+        async def on_the_proxy_loop(base_url):
+            http = openai.DefaultAsyncHttpxClient(transport=LocalTransport(proxy))
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, http_client=http)
+            return await agent(client)
+
+        return await proxy.run_episode("local", on_the_proxy_loop)
+
+    over_http, http_sequences = run(_episode(proxy, _tool_turns(messages)))
+    in_process, local_sequences = run(local(_tool_turns(messages)))
+    assert [r.model_dump(exclude={"tool_calls"}) for r in in_process] == [
+        r.model_dump(exclude={"tool_calls"}) for r in over_http
+    ]
+    assert [[c.function for c in r.tool_calls] for r in in_process] == [
+        [c.function for c in r.tool_calls] for r in over_http
+    ]
+    (seq,), (http_seq,) = local_sequences, http_sequences
+    assert (seq.ids, seq.logprobs, seq.versions, seq.model) == (
+        http_seq.ids,
+        http_seq.logprobs,
+        http_seq.versions,
+        http_seq.model,
+    )
+    assert seq.turns == 2
+
+    async def refused(client):
+        with pytest.raises(openai.BadRequestError) as too_long:  # an error answer comes back as over HTTP
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x " * 300}])
+        assert too_long.value.code == "context_length_exceeded"
+        with pytest.raises(openai.NotFoundError):
+            await client.post("/nowhere", cast_to=object, body={})
+        return "refused"
+
+    assert run(local(refused))[0] == "refused"
+    assert route_of("POST", "/sessions/s-1/v1/chat/completions", None) == Route("chat", "s-1", None)
+    assert route_of("POST", "/v1/completions", "h") == Route("completion", None, "h")
+    assert route_of("GET", "/sessions/s-1/v1/models", None) == Route("models", "s-1", None)
+    assert route_of("POST", "/sessions/s-1/end", None) == Route("end", "s-1", None)
+    assert route_of("GET", "/v1/chat/completions", None) is None
+    assert sys.getswitchinterval() <= proxy.config.switch_interval_s  # the proxy shortened the GIL's
 
 
 def test_streaming_gives_the_same_reply_and_text_completions_continue_the_recorded_ids(proxy, tokenizer):

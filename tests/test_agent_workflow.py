@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.agents.config import AgentConfig
 from areal_jax.agents.examples.shop_lookup import calculate, write_tasks
 from areal_jax.agents.workflow import AgentWorkflow
 from areal_jax.cli import main
@@ -21,6 +20,7 @@ from areal_jax.data.rollout_log_reader import read_shard
 from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.jsonl import read_jsonl
 from areal_jax.models.tokenizer import load_tokenizer
+from areal_jax.rollout.agent_config import AgentConfig
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.failures import FailureBudgetConfig
 from areal_jax.rollout.rewards import Reward

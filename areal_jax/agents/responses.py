@@ -4,14 +4,20 @@ errors, the model list."""
 from __future__ import annotations
 
 import json
+import random
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from areal_jax.inference.requests import GenerationResult
 
 MODEL_NAME = "areal-policy"
+
+
+def new_id(prefix: str, hex_digits: int = 32) -> str:
+    """A random id (`prefix` + hex digits) drawn without a system call: `uuid4` reads os.urandom, which lets go
+    of the GIL and then waits for the generator's thread to give it back."""
+    return f"{prefix}{random.getrandbits(4 * hex_digits):0{hex_digits}x}"
 
 
 def _finish(result: GenerationResult, reply: dict[str, Any] | None = None) -> str:
@@ -38,7 +44,7 @@ def chat_completion(
     prompt_tokens: int, results: Sequence[GenerationResult], replies: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": new_id("chatcmpl-"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": MODEL_NAME,
@@ -56,7 +62,7 @@ def chat_chunks(
     """The same answer as server-sent events: per choice a role-and-content chunk, its tool calls, its finish;
     then the usage and `[DONE]` (chunks come once the samples are finished)."""
     base = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": new_id("chatcmpl-"),
         "object": "chat.completion.chunk",
         "created": int(time.time()),
         "model": MODEL_NAME,
@@ -80,7 +86,7 @@ def chat_chunks(
 
 def completion(prompt_tokens: int, results: Sequence[GenerationResult], texts: Sequence[str]) -> dict[str, Any]:
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
+        "id": new_id("cmpl-"),
         "object": "text_completion",
         "created": int(time.time()),
         "model": MODEL_NAME,

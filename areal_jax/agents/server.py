@@ -13,8 +13,11 @@ with every other request; a weight update interrupts and re-prefills it, and the
 its samples are recorded in the session (`sessions.py`, `turns.py`). A client that disconnects cancels its
 request, which aborts its samples; ending an episode aborts its requests still generating.
 
+The agent workflow runs each episode's agent on this server's loop (`run_episode`), its client answered by
+`answer` in the process (`local_transport.py`) or over the port: one handler for both.
+
 Ownership: the sessions live on this server's loop thread; other threads reach them through
-`open_episode` / `close_episode`, which run on that loop.
+`open_episode` / `close_episode` / `run_episode`, which run on that loop.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import logging
+import sys
 import threading
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -34,7 +38,6 @@ from aiohttp import web
 
 from areal_jax.agents import responses, turns
 from areal_jax.agents.admission import EpisodeAdmission
-from areal_jax.agents.config import AgentConfig
 from areal_jax.agents.messages import RequestError
 from areal_jax.agents.prompts import ChatRenderer
 from areal_jax.agents.requests import chat_request, completion_request
@@ -43,6 +46,7 @@ from areal_jax.agents.tool_calls import resolve_format
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.rollout.agent_config import AgentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +62,23 @@ class HTTPRefusal(Exception):
     ):
         super().__init__(message)
         self.status, self.kind, self.headers, self.code = status, kind, headers or {}, code
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What a request asks for: `kind` ('chat', 'completion', 'models' or 'end') and the session its path and
+    its X-Session-Id header name."""
+
+    kind: str
+    session_id: str | None = None
+    header_session_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+    headers: dict[str, str]
 
 
 class AgentProxy:
@@ -89,6 +110,8 @@ class AgentProxy:
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> AgentProxy:
+        if self.config.switch_interval_s and sys.getswitchinterval() > self.config.switch_interval_s:
+            sys.setswitchinterval(self.config.switch_interval_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="areal-agent-proxy", daemon=True)
         self._thread.start()
@@ -123,11 +146,18 @@ class AgentProxy:
 
     async def open_episode(self, prefix: str = "episode") -> str:
         """A new episode's session id (admitted by the caller)."""
-        return await asyncio.wrap_future(self._on_loop(self._open(f"{prefix}-{uuid.uuid4().hex[:12]}")))
+        return await asyncio.wrap_future(self._on_loop(self._open(responses.new_id(f"{prefix}-", 12))))
 
     async def close_episode(self, session_id: str) -> list[TokenSequence]:
         """End an episode: its requests still generating are aborted; its sequences no turn continued."""
         return await asyncio.wrap_future(self._on_loop(self._close(session_id)))
+
+    async def run_episode(self, prefix: str, run: Callable[[str], Awaitable[T]]) -> tuple[T, list[TokenSequence]]:
+        """`run(base_url)` as one episode on this proxy's loop, a session open while it runs: its result and the
+        episode's sequences (as `close_episode`). Cancelling the caller cancels `run`. An agent on the proxy's
+        own loop makes each turn's round trip on one thread (no wake-up of another thread, which waits for the
+        GIL, between a reply and the next request)."""
+        return await asyncio.wrap_future(self._on_loop(self._run_episode(prefix, run)))
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._loop is None:
@@ -139,10 +169,10 @@ class AgentProxy:
     async def _serve(self) -> None:
         app = web.Application(client_max_size=64 << 20)
         for prefix in ("", "/sessions/{session_id}"):
-            app.router.add_post(f"{prefix}/v1/chat/completions", self._route(self._chat))
-            app.router.add_post(f"{prefix}/v1/completions", self._route(self._completion))
-            app.router.add_get(f"{prefix}/v1/models", self._models)
-        app.router.add_post("/sessions/{session_id}/end", self._route(self._end))
+            app.router.add_post(f"{prefix}/v1/chat/completions", self._web("chat"))
+            app.router.add_post(f"{prefix}/v1/completions", self._web("completion"))
+            app.router.add_get(f"{prefix}/v1/models", self._web("models"))
+        app.router.add_post("/sessions/{session_id}/end", self._web("end"))
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.port)
@@ -159,6 +189,14 @@ class AgentProxy:
         self._sessions[session_id] = Session(session_id, external=False)
         return session_id
 
+    async def _run_episode(self, prefix: str, run: Callable[[str], Awaitable[T]]) -> tuple[T, list[TokenSequence]]:
+        session_id = await self._open(responses.new_id(f"{prefix}-", 12))
+        try:
+            value = await run(self.session_url(session_id))
+        finally:
+            sequences = await self._close(session_id)
+        return value, sequences
+
     async def _close(self, session_id: str) -> list[TokenSequence]:
         session = self._sessions.pop(session_id, None)
         if session is None:
@@ -173,8 +211,8 @@ class AgentProxy:
             self.admission.release()
         return session.leaves()
 
-    def _session(self, request: web.Request, body: Any) -> Session:
-        session_id = request.match_info.get("session_id") or request.headers.get(SESSION_HEADER)
+    def _session(self, route: Route, body: Any) -> Session:
+        session_id = route.session_id or route.header_session_id
         if session_id is None and isinstance(body, dict) and isinstance(body.get("user"), str):
             session_id = body["user"]
         if not session_id:
@@ -199,23 +237,34 @@ class AgentProxy:
         session = self._sessions[session_id] = Session(session_id, external=True)
         return session
 
-    def _route(self, handler: Callable[[web.Request, Any], Awaitable[web.StreamResponse]]) -> Callable:
-        async def route(request: web.Request) -> web.StreamResponse:
-            try:
-                body = await request.json() if request.can_read_body else {}
-            except json.JSONDecodeError as err:
-                return _refuse(HTTPRefusal(400, f"the body is not JSON: {err}", "invalid_request_error"))
-            try:
-                return await handler(request, body)
-            except RequestError as err:
-                return _refuse(HTTPRefusal(400, str(err), "invalid_request_error"))
-            except HTTPRefusal as err:
-                return _refuse(err)
+    def _web(self, kind: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            route = Route(kind, request.match_info.get("session_id"), request.headers.get(SESSION_HEADER))
+            answer = await self.answer(route, await request.read())
+            return web.Response(status=answer.status, body=answer.body, headers=answer.headers)
 
-        return route
+        return handle
 
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(responses.models())
+    async def answer(self, route: Route, raw: bytes) -> Answer:
+        """The answer to one request (its body as sent); on this proxy's loop."""
+        try:
+            body = json.loads(raw) if raw else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return _refuse(HTTPRefusal(400, f"the body is not JSON: {err}", "invalid_request_error"))
+        try:
+            match route.kind:
+                case "chat":
+                    return await self._chat(route, body)
+                case "completion":
+                    return await self._completion(route, body)
+                case "end":
+                    return await self._end(route)
+                case _:
+                    return _json(responses.models())
+        except RequestError as err:
+            return _refuse(HTTPRefusal(400, str(err), "invalid_request_error"))
+        except HTTPRefusal as err:
+            return _refuse(err)
 
     async def _generate(self, session: Session, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list:
         if not self.generator.engine.config.fits_prompt(len(prompt_ids)):
@@ -238,8 +287,8 @@ class AgentProxy:
             )
         return results
 
-    async def _chat(self, request: web.Request, body: Any) -> web.StreamResponse:
-        session = self._session(request, body)
+    async def _chat(self, route: Route, body: Any) -> Answer:
+        session = self._session(route, body)
         chat = chat_request(body, self.sampling, self.config.fixed_temperature)
         plan = turns.plan_chat(session, chat, self.renderer, self.config.template_rule, self.tool_format)
         prompt_ids = plan.prompt_ids()
@@ -248,16 +297,12 @@ class AgentProxy:
         for result, reply in zip(results, replies, strict=True):
             turns.record_chat(session, chat, plan, result, reply)
         if not chat.stream:
-            return web.json_response(responses.chat_completion(len(prompt_ids), results, replies))
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await stream.prepare(request)
-        for chunk in responses.chat_chunks(len(prompt_ids), results, replies):
-            await stream.write(chunk)
-        await stream.write_eof()
-        return stream
+            return _json(responses.chat_completion(len(prompt_ids), results, replies))
+        chunks = b"".join(responses.chat_chunks(len(prompt_ids), results, replies))
+        return Answer(200, chunks, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
-    async def _completion(self, request: web.Request, body: Any) -> web.Response:
-        session = self._session(request, body)
+    async def _completion(self, route: Route, body: Any) -> Answer:
+        session = self._session(route, body)
         completion = completion_request(body, self.sampling, self.config.fixed_temperature)
         plan = turns.plan_completion(session, completion, self.tokenizer)
         prompt_ids = plan.prompt_ids()
@@ -265,17 +310,17 @@ class AgentProxy:
         for result in results:
             turns.record_completion(session, plan, result)
         texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
-        return web.json_response(responses.completion(len(prompt_ids), results, texts))
+        return _json(responses.completion(len(prompt_ids), results, texts))
 
-    async def _end(self, request: web.Request, body: Any) -> web.Response:
-        session_id = request.match_info["session_id"]
+    async def _end(self, route: Route) -> Answer:
+        session_id = route.session_id
         session = self._sessions.get(session_id)
         if session is None or not session.external:
             raise HTTPRefusal(
                 404, f"no episode {session_id!r} opened by a client is in flight", "invalid_request_error"
             )
         sequences = await self._close(session_id)
-        return web.json_response({"session_id": session_id, "sequences": [_sequence_json(s) for s in sequences]})
+        return _json({"session_id": session_id, "sequences": [_sequence_json(s) for s in sequences]})
 
 
 def _sequence_json(seq: TokenSequence) -> dict[str, Any]:
@@ -291,7 +336,9 @@ def _sequence_json(seq: TokenSequence) -> dict[str, Any]:
     }
 
 
-def _refuse(refusal: HTTPRefusal) -> web.Response:
-    return web.json_response(
-        responses.error(str(refusal), refusal.kind, refusal.code), status=refusal.status, headers=refusal.headers
-    )
+def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Answer:
+    return Answer(status, json.dumps(payload).encode(), {"Content-Type": "application/json", **(headers or {})})
+
+
+def _refuse(refusal: HTTPRefusal) -> Answer:
+    return _json(responses.error(str(refusal), refusal.kind, refusal.code), refusal.status, refusal.headers)

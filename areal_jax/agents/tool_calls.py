@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from areal_jax.agents.config import ToolFormat
+from areal_jax.rollout.agent_config import ToolFormat
 
 MALFORMED_TOOL = "malformed_tool_call"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)

@@ -5,17 +5,16 @@ become. Pure functions of the session's records; the proxy's loop thread calls t
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from typing import Any
 
 from areal_jax.agents import messages as msgs
-from areal_jax.agents import tool_calls
-from areal_jax.agents.config import TemplateRule, ToolFormat
+from areal_jax.agents import responses, tool_calls
 from areal_jax.agents.prompts import ChatRenderer
 from areal_jax.agents.requests import ChatRequest, CompletionRequest
 from areal_jax.agents.sessions import Session, TokenSequence
 from areal_jax.inference.requests import GenerationResult
 from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.rollout.agent_config import TemplateRule, ToolFormat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +77,7 @@ def chat_reply(
     if calls:
         reply["tool_calls"] = [
             {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "id": responses.new_id("call_", 24),
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             }

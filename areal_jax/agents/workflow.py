@@ -1,5 +1,7 @@
 """`rollout.workflow.kind: agent`: the user's agent, `async def run(client, task) -> float | None`, runs each
-episode against the proxy with an `openai.AsyncOpenAI` client whose base URL is the episode's session.
+episode against the proxy with an `openai.AsyncOpenAI` client whose base URL is the episode's session. The
+agent runs on the proxy's event loop; its client reaches the proxy in the process (`agent.transport: local`)
+or over HTTP.
 
 One task item gives a group of `n_samples` episodes run concurrently. An episode's trajectory is the sequence
 the proxy recorded for it (the exact ids, behaviour log-probs and versions of every turn); its reward is the
@@ -24,6 +26,7 @@ from typing import Any
 import openai
 
 from areal_jax.agents.admission import EpisodeAdmission
+from areal_jax.agents.local_transport import LocalTransport
 from areal_jax.agents.server import AgentProxy
 from areal_jax.agents.sessions import TokenSequence
 from areal_jax.configuration import ConfigError
@@ -66,6 +69,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.reward_fn = reward_fn
         self._proxy: AgentProxy | None = None
         self._owns_proxy = False
+        # per proxy loop, touched on that loop only (the agents run there)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, openai.AsyncOpenAI] = (
             weakref.WeakKeyDictionary()
         )
@@ -93,12 +97,16 @@ class AgentWorkflow(RolloutWorkflow):
             raise ValueError("the agent proxy serves another generator than the one this rollout was given")
         return self._proxy
 
-    def _client(self, timeout: float) -> openai.AsyncOpenAI:
-        """This event loop's client (making one costs ~40 ms; each episode gets a copy with its own base URL)."""
+    def _client(self, proxy: AgentProxy, timeout: float) -> openai.AsyncOpenAI:
+        """The client of `proxy`'s loop, the running one (making one costs ~40 ms; each episode gets a copy with
+        its own base URL); its transport is `agent.transport`."""
         loop = asyncio.get_running_loop()
         if loop not in self._clients:
+            http = None
+            if self.config.agent.transport == "local":
+                http = openai.DefaultAsyncHttpxClient(transport=LocalTransport(proxy), timeout=timeout)
             self._clients[loop] = openai.AsyncOpenAI(
-                base_url="http://unused", api_key="areal", max_retries=0, timeout=timeout
+                base_url="http://unused", api_key="areal", max_retries=0, timeout=timeout, http_client=http
             )
         return self._clients[loop]
 
@@ -125,17 +133,18 @@ class AgentWorkflow(RolloutWorkflow):
     async def _episode(self, proxy: AgentProxy, task: TaskItem, group_id: int, index: int) -> Trajectory:
         start = time.perf_counter()
         where = f"prompt {task.id!r} sample {index}"
-        session_id = await proxy.open_episode(f"g{group_id}-s{index}")
         timeout = self.config.agent.episode_timeout_s
-        client = self._client(timeout).with_options(base_url=proxy.session_url(session_id))
+
+        async def agent(base_url: str) -> Any:  # on the proxy's loop
+            client = self._client(proxy, timeout).with_options(base_url=base_url)
+            return await asyncio.wait_for(self.agent(client, task), timeout)
+
         try:
-            value = await asyncio.wait_for(self.agent(client, task), timeout)
+            value, sequences = await proxy.run_episode(f"g{group_id}-s{index}", agent)
         except TimeoutError:
             raise TimeoutError(
                 f"{where}: the agent ran past rollout.workflow.agent.episode_timeout_s={timeout}"
             ) from None
-        finally:
-            sequences = await proxy.close_episode(session_id)
         agent_s = time.perf_counter() - start
         if not sequences:
             raise ValueError(f"{where}: the agent returned {value!r} without asking the model anything")

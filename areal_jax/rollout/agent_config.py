@@ -1,4 +1,6 @@
-"""Configuration of the agent workflow and its OpenAI-compatible proxy (`rollout.workflow.agent`)."""
+"""Configuration of the agent workflow and its OpenAI-compatible proxy (`rollout.workflow.agent`; run by
+`areal_jax.agents`). A leaf of the rollout package, so that the workflow config names it without importing
+the proxy."""
 
 from __future__ import annotations
 
@@ -43,6 +45,20 @@ class AgentConfig(Config):
         doc="tool-call syntax of the model: 'hermes' (Qwen2.5/Qwen3 <tool_call>{json}</tool_call>), 'llama3' "
         "(JSON {name, parameters}, optional <|python_tag|>); 'auto' = llama3 when the chat template uses "
         "<|eot_id|>, else hermes",
+    )
+    transport: Literal["local", "http"] = option(
+        "local",
+        doc="how the workflow's agents reach the proxy: 'local' hands each request to the proxy's handler on its "
+        "own loop (same answers and records, no socket; the agents run on the proxy's loop), 'http' over the "
+        "proxy's port like an outside client",
+    )
+    switch_interval_s: float = option(
+        0.0005,
+        ge=0,
+        doc="the interpreter's GIL switch interval (sys.setswitchinterval, process-wide) set when a proxy starts, "
+        "if it is longer; 0 = leave it. The proxy's loop (with the agents) and the generator's loop thread share "
+        "the GIL: at Python's 5 ms each hand-over (a reply's wake-up, each decode step's wait for the device) "
+        "can wait 5 ms",
     )
     retry_after_s: int = option(1, ge=1, doc="Retry-After of a 429 answer (a new episode while admission is closed)")
     fixed_temperature: bool = option(

@@ -34,7 +34,6 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 
-from areal_jax.agents.config import AgentConfig
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
@@ -42,6 +41,7 @@ from areal_jax.inference.requests import GenerationResult
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.inference.seeds import mix_seed
 from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.rollout.agent_config import AgentConfig
 from areal_jax.rollout.environments import Environment, EnvStep, Message, RewardFn
 
 R = TypeVar("R")
