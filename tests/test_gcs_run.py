@@ -58,6 +58,15 @@ def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flag
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def _server_version(run: str) -> int:
+    """The newest weight version rollout server 0's status file reports loading (-1: none yet)."""
+    try:
+        status = json.loads(storage.read_text(storage.join(run, "control", "rollout-0.json")))
+    except (OSError, ValueError):
+        return -1
+    return int(status.get("weights_version", -1))
+
+
 def _metrics(location: str) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(location).splitlines() if line.strip()]
 
@@ -72,9 +81,11 @@ def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps
     launcher = _launch(tmp_path, output_dir, first_copy, STEPS)
     try:
         deadline = time.monotonic() + 300
-        while (TrainCheckpointer.latest_in(checkpoints) or 0) < 2:
+        # checkpoint 2, and the server has loaded a version from the bucket (on a loaded machine its poll can
+        # trail the trainer's checkpoint)
+        while (TrainCheckpointer.latest_in(checkpoints) or 0) < 2 or _server_version(run) < 1:
             assert launcher.poll() is None, launcher.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "no checkpoint 2 in time"
+            assert time.monotonic() < deadline, "no checkpoint 2 and loaded version in time"
             time.sleep(0.5)
         trainer = json.loads(storage.read_text(storage.join(run, "control", "trainer.json")))["pid"]
         os.kill(trainer, signal.SIGKILL)  # no final checkpoint, no last upload of its records

@@ -213,3 +213,24 @@ def test_before_the_first_step_the_live_display_shows_what_the_start_is_doing(tm
     finally:
         reporter.close([])
     assert "waiting for the first step (engine warm-up: compiling 27 programs, tasks: 3/15)" in shown
+
+
+def test_step_records_warn_of_heavy_rejection_and_truncation_at_most_every_50_steps(tmp_path, caplog):
+    from areal_jax.config import load_experiment
+    from areal_jax.system.step_report import StepRecords
+
+    cfg = load_experiment("configs/train_cpu.yaml", [f"output_dir={tmp_path}", "report.live=never"])
+    cfg.run_dir.mkdir(parents=True)
+    records = StepRecords(cfg, RunReporter(cfg.report, cfg.run_dir, 200), started=0.0)
+    steps = [(1, 0.9, 0.0), (2, 0.9, 0.0), (51, 0.4, 0.0), (52, 0.9, 0.8), (53, 0.9, 0.8), (102, 0.6, 0.0)]
+    with caplog.at_level(logging.WARNING, logger="areal_jax.system.step_report"):
+        for version, rejected, truncated in steps:
+            stats = {"train/version": float(version), "rollout/truncated_share": truncated}
+            stats["correction/seq/rejected_frac"] = rejected
+            records.write(version, stats, batch=[])
+    records.close([])
+    rejection = [r.message for r in caplog.records if "rollout_correction left" in r.message]
+    truncation = [r.message for r in caplog.records if "hit a length limit" in r.message]
+    # logged when above one half, then not again for 50 steps; each warning keeps its own clock
+    assert [m.split("%")[0].split()[-1] for m in rejection] == ["90", "90", "60"], rejection
+    assert len(truncation) == 1 and truncation[0].startswith("80%"), truncation

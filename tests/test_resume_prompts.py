@@ -101,8 +101,11 @@ def _steps_done(run_dir: Path, since: float = 0.0) -> int:
 
 
 def _run_until(process: subprocess.Popen, run_dir: Path, step: int, extra_delay: float) -> None:
+    """Wait for `step` logged steps and a committed checkpoint (a step's checkpoint is saved in the background:
+    on a loaded machine the step after it can be logged first), then `extra_delay` seconds."""
     deadline = time.monotonic() + 300
-    while _steps_done(run_dir, process.started) < step:  # type: ignore[attr-defined]
+    started: float = process.started  # type: ignore[attr-defined]
+    while _steps_done(run_dir, started) < step or TrainCheckpointer.latest_in(run_dir / "checkpoints") is None:
         assert process.poll() is None, _output(process)
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.02)

@@ -68,7 +68,7 @@ class StepRecords:
         self.cfg, self.reporter, self.started = cfg, reporter, started
         self.trained_groups = contextlib.ExitStack()
         self.groups_file = self.trained_groups.enter_context(cfg.layout.trained_groups.open("a"))
-        self.truncation_warned_at: int | None = None
+        self.warned_at: dict[str, int] = {}  # warning -> the step it was last logged at
 
     def add_run_stats(self, stats: dict[str, float], rollout_stats: dict[str, float], pipeline_state: Any) -> None:
         """The rollout side's counters, the pipeline's, and the clocks."""
@@ -89,11 +89,30 @@ class StepRecords:
         self.groups_file.write(json.dumps({"version": version, "groups": groups}) + "\n")
         self.groups_file.flush()
         self._warn_truncation(version, stats["rollout/truncated_share"])
+        self._warn_rejection(version, stats.get("correction/seq/rejected_frac", 0.0))
+
+    def _due(self, warning: str, version: int, value: float) -> bool:
+        """Whether `warning` (its value above one half) is logged at this step: at most once every 50 steps."""
+        last = self.warned_at.get(warning)
+        if value <= 0.5 or (last is not None and version - last < 50):
+            return False
+        self.warned_at[warning] = version
+        return True
+
+    def _warn_rejection(self, version: int, rejected: float) -> None:
+        if not self._due("rejection", version, rejected):
+            return
+        logger.warning(
+            "trainer.ppo.rollout_correction left %.0f%% of this step's sequences out of the loss (masked or "
+            "rejected); what is left is a biased sample, and the optimizer still takes full-size steps on it. "
+            "Widen its bounds (is_high/is_low, rs_high/rs_low) or lower rollout.staleness.max_head_offpolicyness "
+            "(docs/objectives.md, 'Where each correction belongs')",
+            100 * rejected,
+        )
 
     def _warn_truncation(self, version: int, truncated: float) -> None:
-        if truncated <= 0.5 or (self.truncation_warned_at is not None and version - self.truncation_warned_at < 50):
+        if not self._due("truncation", version, truncated):
             return
-        self.truncation_warned_at = version
         sampling = self.cfg.rollout.workflow
         logger.warning(
             "%.0f%% of this step's samples hit a length limit (rollout.workflow.sampling.max_new_tokens=%d, "
