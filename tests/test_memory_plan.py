@@ -28,7 +28,7 @@ HEAVY = [
     "model.num_heads=4",
     "model.num_kv_heads=2",
 ]
-RUN = ["train_steps=2", "eval.every_steps=0", "dataset.heldout=0", "report.plots=false", "report.live=never"]
+RUN = ["train_steps=1", "eval.every_steps=0", "dataset.heldout=0", "report.plots=false", "report.live=never"]
 
 
 def _single_device_plan(overrides: list[str]):
