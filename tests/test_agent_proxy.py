@@ -23,7 +23,7 @@ from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.tokenizer import HFTokenizer
+from areal_jax.models.tokenizer import CharTokenizer, HFTokenizer
 from areal_jax.rollout.agent_config import AgentConfig
 from tests.tiny_hf_run import make_bpe_tokenizer_dir
 
@@ -464,3 +464,11 @@ def test_200_sessions_from_8_threads_are_each_answered_once_during_weight_update
         assert model_versions == sorted(model_versions)
     assert generator.stats.updates > updates_before and generator.stats.interruptions > 0
     assert generator.num_in_flight() == 0
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_400_not_a_server_error(generator, gate):
+    chars = CharTokenizer()  # a fixed alphabet: the request's text fails before anything is generated
+    with AgentProxy(generator, chars, AgentConfig(), base_sampling(chars), admission=gate) as proxy:
+        client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="cannot encode"):
+            client.completions.create(model="p", prompt="1+1=\N{EURO SIGN}", max_tokens=2, user="s")

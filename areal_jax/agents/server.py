@@ -45,7 +45,7 @@ from areal_jax.agents.sessions import Session, TokenSequence
 from areal_jax.agents.tool_calls import resolve_format
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.models.tokenizer import Tokenizer
+from areal_jax.models.tokenizer import TextNotEncodable, Tokenizer
 from areal_jax.rollout.agent_config import AgentConfig
 
 logger = logging.getLogger(__name__)
@@ -263,6 +263,8 @@ class AgentProxy:
                     return _json(responses.models())
         except RequestError as err:
             return _refuse(HTTPRefusal(400, str(err), "invalid_request_error"))
+        except TextNotEncodable as err:  # the client's text, not the proxy, is at fault
+            return _refuse(HTTPRefusal(400, f"the policy's tokenizer cannot encode it: {err}", "invalid_request_error"))
         except HTTPRefusal as err:
             return _refuse(err)
 

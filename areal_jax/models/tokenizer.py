@@ -409,6 +409,10 @@ DEFAULT_ALPHABET = "0123456789+-*/=()., :QA\n"
 CHAR_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 
 
+class TextNotEncodable(ValueError):
+    """Text with a character the tokenizer has no id for (the char tokenizer's fixed alphabet)."""
+
+
 class CharTokenizer:
     """One token per character of a fixed alphabet, after `<pad>`=0, `<bos>`=1, `<eos>`=2.
 
@@ -445,7 +449,7 @@ class CharTokenizer:
         for position, char in enumerate(text):
             token = self._char_to_id.get(char)
             if token is None:
-                raise ValueError(
+                raise TextNotEncodable(
                     f"character {char!r} at position {position} of {text!r} is not in the alphabet {self.alphabet!r}"
                 )
             ids.append(token)
