@@ -219,7 +219,8 @@ def test_step_records_warn_of_heavy_rejection_and_truncation_at_most_every_50_st
     from areal_jax.config import load_experiment
     from areal_jax.system.step_report import StepRecords
 
-    cfg = load_experiment("configs/train_cpu.yaml", [f"output_dir={tmp_path}", "report.live=never"])
+    overrides = [f"output_dir={tmp_path}", "report.live=never", "report.plots=false"]
+    cfg = load_experiment("configs/train_cpu.yaml", overrides)
     cfg.run_dir.mkdir(parents=True)
     records = StepRecords(cfg, RunReporter(cfg.report, cfg.run_dir, 200), started=0.0)
     steps = [(1, 0.9, 0.0), (2, 0.9, 0.0), (51, 0.4, 0.0), (52, 0.9, 0.8), (53, 0.9, 0.8), (102, 0.6, 0.0)]
