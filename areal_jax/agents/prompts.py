@@ -6,8 +6,8 @@ A continuation renders the conversation twice with the last recorded assistant m
 once with the new messages after it. If the first is not a prefix of the second, the template rewrites history
 when new messages follow (Qwen3 and R1-style templates drop an earlier `<think>`): the continuation *diverges*
 and the caller applies `agent.template_rule`. Otherwise the new ids are read off a placeholder conversation
-(the assistant's content a marker, as `TurnRenderer` does): the template's end of an assistant turn less the
-part of it the model already produced (its stop token), then the new messages and the generation prompt.
+(the assistant's content a marker), by the rule the built-in multi-turn workflow uses
+(`rollout.workflow.continuation_ids`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import jinja2
 
 from areal_jax.agents.messages import RequestError, for_template
 from areal_jax.models.tokenizer import Tokenizer
-
-_MARK = "@@areal-agent-turn@@"
+from areal_jax.rollout.workflow import MODEL_MARK, continuation_ids
 
 
 class ChatRenderer:
@@ -54,13 +53,9 @@ class ChatRenderer:
         """Ids to append after a recorded sequence that ends with the model's reply (`produced`) to `history` so
         that it continues with the messages `new`; None when the template's end of an assistant turn cannot
         be located (then the turn starts a new sequence)."""
-        marked = {"role": "assistant", "content": _MARK}
-        turn_end = _after_mark(self._text([*history, marked], tools, False))
-        after = _after_mark(self._text([*history, marked, *new], tools, True))
-        if turn_end is None or after is None or not after.startswith(turn_end):
-            return None
-        text = self.tokenizer.decode(produced, skip_special_tokens=False)
-        return self.tokenizer.encode(after[_overlap(text, turn_end) :])
+        marked = {"role": "assistant", "content": MODEL_MARK}
+        ended = self._text([*history, marked], tools, False)
+        return continuation_ids(self.tokenizer, ended, self._text([*history, marked, *new], tools, True), produced)
 
     def _text(self, messages: Sequence[Mapping[str, Any]], tools: Any, generation_prompt: bool) -> str:
         try:
@@ -69,16 +64,3 @@ class ChatRenderer:
             )
         except (jinja2.TemplateError, ValueError) as err:
             raise RequestError(f"messages: the chat template cannot render them: {err}") from None
-
-
-def _after_mark(rendered: str) -> str | None:
-    at = rendered.rfind(_MARK)
-    return None if at < 0 else rendered[at + len(_MARK) :]
-
-
-def _overlap(text: str, suffix: str) -> int:
-    """Length of the longest prefix of `suffix` that `text` ends with."""
-    for k in range(len(suffix), 0, -1):
-        if text.endswith(suffix[:k]):
-            return k
-    return 0

@@ -48,7 +48,7 @@ R = TypeVar("R")
 Truncation = Literal["mask", "penalize", "keep"]
 
 _USER_MARK = "@@areal-user@@"
-_MODEL_MARK = "@@areal-model@@"
+MODEL_MARK = "@@areal-model@@"  # a model turn's placeholder content
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,31 +102,46 @@ class TurnRenderer:
         self.tokenizer = tokenizer
         self._conversation: list[Message] = [
             {"role": "user", "content": _USER_MARK},
-            {"role": "assistant", "content": _MODEL_MARK},
+            {"role": "assistant", "content": MODEL_MARK},
         ]
         base = tokenizer.apply_chat_template(self._conversation, add_generation_prompt=False, tokenize=False)
-        self.turn_end = _after_model_mark(base)
+        turn_end = after_model_mark(base)
+        if turn_end is None:
+            raise ValueError(f"the chat template drops the assistant's content: rendered {base!r}")
+        self.turn_end = turn_end
+        self._base = base
 
     def reply_ids(self, reply: str, model_output_ids: Sequence[int]) -> list[int]:
         """Ids to append after `model_output_ids` (which may already hold the start of the turn's end)."""
         full = self.tokenizer.apply_chat_template(
             [*self._conversation, {"role": "user", "content": reply}], add_generation_prompt=True, tokenize=False
         )
-        delta = _after_model_mark(full)
-        if not delta.startswith(self.turn_end):
+        ids = continuation_ids(self.tokenizer, self._base, full, model_output_ids)
+        if ids is None:
             raise ValueError(
                 f"the chat template ends an assistant turn with {self.turn_end!r} when it is last but not when the "
-                f"reply {reply!r} follows: {delta!r}"
+                f"reply {reply!r} follows: {full!r}"
             )
-        produced = self.tokenizer.decode(model_output_ids, skip_special_tokens=False)
-        return self.tokenizer.encode(delta[_overlap(produced, self.turn_end) :])
+        return ids
 
 
-def _after_model_mark(rendered: str) -> str:
-    at = rendered.rfind(_MODEL_MARK)
-    if at < 0:
-        raise ValueError(f"the chat template drops the assistant's content: rendered {rendered!r}")
-    return rendered[at + len(_MODEL_MARK) :]
+def after_model_mark(rendered: str) -> str | None:
+    """The text a chat template put after the last `MODEL_MARK` (the model turn's placeholder content)."""
+    at = rendered.rfind(MODEL_MARK)
+    return None if at < 0 else rendered[at + len(MODEL_MARK) :]
+
+
+def continuation_ids(tokenizer: Tokenizer, ended: str, continued: str, produced_ids: Sequence[int]) -> list[int] | None:
+    """The ids that follow a model turn whose output was `produced_ids` (token in / token out: never
+    re-tokenized), from two renderings of the conversation with `MODEL_MARK` as that turn's content: `ended`
+    stops after the turn, `continued` goes on with the next messages. The template's end of the turn less the
+    part of it the model already produced (its stop token), then what follows. None when the mark is missing or
+    the turn ends differently once messages follow."""
+    turn_end, after = after_model_mark(ended), after_model_mark(continued)
+    if turn_end is None or after is None or not after.startswith(turn_end):
+        return None
+    produced = tokenizer.decode(produced_ids, skip_special_tokens=False)
+    return tokenizer.encode(after[_overlap(produced, turn_end) :])
 
 
 def _overlap(text: str, suffix: str) -> int:
