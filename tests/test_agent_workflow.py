@@ -18,10 +18,12 @@ from areal_jax.configuration import ConfigError
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.data.rollout_log_reader import read_shard
 from areal_jax.data.rollout_log_shards import list_shards
+from areal_jax.eval_config import EvalConfig
 from areal_jax.jsonl import read_jsonl
 from areal_jax.models.tokenizer import load_tokenizer
 from areal_jax.rollout.agent_config import AgentConfig
 from areal_jax.rollout.controller import RolloutController
+from areal_jax.rollout.evaluation import evaluate, sampled_workflow
 from areal_jax.rollout.failures import FailureBudgetConfig
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
@@ -65,6 +67,11 @@ def test_the_python_tool_math_agent_trains(tmp_path, tiny):
     context = tokenizer.decode(trajectories[0].token_ids[~trajectories[0].loss_mask].tolist())
     assert "<tool_response>" in context and '{"name": "python", "arguments": ' in context
     assert all(t.loss_mask.any() and (t.versions[t.loss_mask] >= 0).all() for t in trajectories)
+    for version in (0, 2):  # the held-out evaluation runs the agent on the live generator
+        report_file = tmp_path / "agent-math-python-smoke" / "eval" / f"step-{version}" / "eval.json"
+        report = json.loads(report_file.read_text())
+        assert report["policy_version"] == version and report["overall"]["prompts"] == 2, report["overall"]
+        assert all(sample["completion"] for sample in report["samples"])
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +100,36 @@ def test_the_shop_lookup_agent_calls_both_tools_and_scores_its_episodes(shop, ti
         context = tokenizer.decode(t.token_ids[~t.loss_mask].tolist())
         assert '"name": "lookup"' in context and '"name": "calculator"' in context and "<tool_response>" in context
         assert (t.versions[t.loss_mask] == generator.version).all()
+
+
+def _model_spans(mask) -> list[int]:
+    """The lengths of the runs of model tokens (one per model turn)."""
+    spans, run = [], 0
+    for produced in [*mask.tolist(), False]:
+        if produced:
+            run += 1
+        elif run:
+            spans, run = [*spans, run], 0
+    return spans
+
+
+def test_a_resampled_agent_workflow_runs_its_episodes_with_its_own_sampling(shop):
+    """The held-out evaluation's copy of the workflow: the same agent on the same proxy, each turn sampled with
+    the evaluation's settings (greedy here, 4 new tokens a turn), while the rollouts keep theirs (12)."""
+    cfg, workflow, generator, records = shop
+    eval_sampling = EvalConfig(temperature=0.0, max_new_tokens=4).sampling(workflow.sampling, 0)
+    copy = sampled_workflow(workflow, 3, eval_sampling)
+    assert isinstance(copy, AgentWorkflow) and copy.config.truncation == "keep"
+    greedy = asyncio.run(copy.run(generator, records[0], 0))
+    assert [t.sample_index for t in greedy] == [0, 1, 2]
+    for t in greedy:
+        assert t.metadata["num_turns"] >= 2 and max(_model_spans(t.loss_mask)) <= 4
+    assert len({tuple(t.token_ids.tolist()) for t in greedy}) == 1  # greedy: the 3 episodes are the same
+    rollouts = asyncio.run(workflow.run(generator, records[0], 1))
+    assert max(s for t in rollouts for s in _model_spans(t.loss_mask)) > 4
+    assert max(s for t in rollouts for s in _model_spans(t.loss_mask)) <= cfg.rollout.workflow.sampling.max_new_tokens
+    report = evaluate(generator, workflow, records[:2], EvalConfig(samples_per_prompt=2, temperature=1.0), seed=3)
+    assert report.overall.prompts == 2 and len(report.samples) == 4
 
 
 async def _broken_agent(client, task):

@@ -152,12 +152,15 @@ class AgentProxy:
         """End an episode: its requests still generating are aborted; its sequences no turn continued."""
         return await asyncio.wrap_future(self._on_loop(self._close(session_id)))
 
-    async def run_episode(self, prefix: str, run: Callable[[str], Awaitable[T]]) -> tuple[T, list[TokenSequence]]:
+    async def run_episode(
+        self, prefix: str, run: Callable[[str], Awaitable[T]], sampling: SamplingParams | None = None
+    ) -> tuple[T, list[TokenSequence]]:
         """`run(base_url)` as one episode on this proxy's loop, a session open while it runs: its result and the
-        episode's sequences (as `close_episode`). Cancelling the caller cancels `run`. An agent on the proxy's
+        episode's sequences (as `close_episode`). `sampling`: what its turns start from instead of the proxy's
+        (the held-out evaluation's episodes). Cancelling the caller cancels `run`. An agent on the proxy's
         own loop makes each turn's round trip on one thread (no wake-up of another thread, which waits for the
         GIL, between a reply and the next request)."""
-        return await asyncio.wrap_future(self._on_loop(self._run_episode(prefix, run)))
+        return await asyncio.wrap_future(self._on_loop(self._run_episode(prefix, run, sampling)))
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         if self._loop is None:
@@ -185,12 +188,14 @@ class AgentProxy:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def _open(self, session_id: str) -> str:
-        self._sessions[session_id] = Session(session_id, external=False)
+    async def _open(self, session_id: str, sampling: SamplingParams | None = None) -> str:
+        self._sessions[session_id] = Session(session_id, external=False, sampling=sampling)
         return session_id
 
-    async def _run_episode(self, prefix: str, run: Callable[[str], Awaitable[T]]) -> tuple[T, list[TokenSequence]]:
-        session_id = await self._open(responses.new_id(f"{prefix}-", 12))
+    async def _run_episode(
+        self, prefix: str, run: Callable[[str], Awaitable[T]], sampling: SamplingParams | None
+    ) -> tuple[T, list[TokenSequence]]:
+        session_id = await self._open(responses.new_id(f"{prefix}-", 12), sampling)
         try:
             value = await run(self.session_url(session_id))
         finally:
@@ -291,7 +296,7 @@ class AgentProxy:
 
     async def _chat(self, route: Route, body: Any) -> Answer:
         session = self._session(route, body)
-        chat = chat_request(body, self.sampling, self.config.fixed_temperature)
+        chat = chat_request(body, session.sampling or self.sampling, self.config.fixed_temperature)
         plan = turns.plan_chat(session, chat, self.renderer, self.config.template_rule, self.tool_format)
         prompt_ids = plan.prompt_ids()
         results = await self._generate(session, prompt_ids, chat.sampling, chat.n)
@@ -305,7 +310,7 @@ class AgentProxy:
 
     async def _completion(self, route: Route, body: Any) -> Answer:
         session = self._session(route, body)
-        completion = completion_request(body, self.sampling, self.config.fixed_temperature)
+        completion = completion_request(body, session.sampling or self.sampling, self.config.fixed_temperature)
         plan = turns.plan_completion(session, completion, self.tokenizer)
         prompt_ids = plan.prompt_ids()
         results = await self._generate(session, prompt_ids, completion.sampling, completion.n)

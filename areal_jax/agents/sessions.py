@@ -18,6 +18,7 @@ import numpy as np
 
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.requests import GenerationResult
+from areal_jax.inference.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class Session:
 
     session_id: str
     external: bool  # started by a client's first request (admitted by the proxy), not by the agent workflow
+    sampling: SamplingParams | None = None  # its turns' base sampling; None = the proxy's
     sequences: list[TokenSequence] = dataclasses.field(default_factory=list)
     in_flight: set[str] = dataclasses.field(default_factory=set)
     closed: bool = False

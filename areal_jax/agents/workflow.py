@@ -69,6 +69,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.reward_fn = reward_fn
         self._proxy: AgentProxy | None = None
         self._owns_proxy = False
+        self._source: AgentWorkflow | None = None  # a resampled copy's original, whose proxy it uses
         # per proxy loop, touched on that loop only (the agents run there)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, openai.AsyncOpenAI] = (
             weakref.WeakKeyDictionary()
@@ -88,8 +89,17 @@ class AgentWorkflow(RolloutWorkflow):
             finally:
                 self._proxy = None
 
+    def resampled(self, config: WorkflowConfig) -> AgentWorkflow:
+        """A copy running `config` (the held-out evaluation's) on this workflow's proxy: its episodes' turns
+        start from its own sampling (`AgentProxy.run_episode`)."""
+        copy = AgentWorkflow(config, self.tokenizer, self.reward_fn, self.executor)
+        copy._source = self
+        return copy
+
     def proxy_for(self, generator: Generator) -> AgentProxy:
         """The serving proxy; one of this workflow's own (closed with it) when none serves (`areal-jax eval`)."""
+        if self._source is not None:
+            return self._source.proxy_for(generator)
         if self._proxy is None:
             self._proxy = AgentProxy(generator, self.tokenizer, self.config.agent, self.sampling).start()
             self._owns_proxy = True
@@ -140,7 +150,7 @@ class AgentWorkflow(RolloutWorkflow):
             return await asyncio.wait_for(self.agent(client, task), timeout)
 
         try:
-            value, sequences = await proxy.run_episode(f"g{group_id}-s{index}", agent)
+            value, sequences = await proxy.run_episode(f"g{group_id}-s{index}", agent, self.sampling)
         except TimeoutError:
             raise TimeoutError(
                 f"{where}: the agent ran past rollout.workflow.agent.episode_timeout_s={timeout}"

@@ -49,7 +49,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.eval_config import EvalConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, RolloutWorkflow
+from areal_jax.rollout.workflow import RolloutWorkflow
 
 OVERALL = "overall"
 
@@ -246,14 +246,9 @@ class EvalReport:
 
 
 def sampled_workflow(workflow: RolloutWorkflow, n_samples: int, sampling: SamplingParams) -> RolloutWorkflow:
-    """A copy of `workflow` (same tokenizer, reward function or environment, and executor) that draws
+    """A copy of `workflow` (same tokenizer, reward function, environment or agent, and executor) that draws
     `n_samples` per prompt with `sampling` and keeps the reward of truncated samples as it is."""
-    config = workflow.config.replace(n_samples=n_samples, sampling=sampling, truncation="keep")
-    if isinstance(workflow, RLVRWorkflow):
-        return RLVRWorkflow(config, workflow.tokenizer, workflow.reward_fn, workflow.executor)
-    if isinstance(workflow, MultiTurnWorkflow):
-        return MultiTurnWorkflow(config, workflow.tokenizer, workflow.env, workflow.executor)
-    raise TypeError(f"cannot re-sample a {type(workflow).__name__}; expected RLVRWorkflow or MultiTurnWorkflow")
+    return workflow.resampled(workflow.config.replace(n_samples=n_samples, sampling=sampling, truncation="keep"))
 
 
 async def run_prompts(

@@ -247,6 +247,11 @@ class RolloutWorkflow(abc.ABC):
         system: list[Message] = [{"role": "system", "content": self.config.system_prompt}]
         return [*(system if self.config.system_prompt else []), {"role": "user", "content": task.prompt}]
 
+    def resampled(self, config: WorkflowConfig) -> RolloutWorkflow:
+        """A copy running `config` (another `n_samples`, `sampling` or truncation rule: the held-out
+        evaluation's) with this workflow's tokenizer, reward or environment and executor."""
+        raise TypeError(f"a {type(self).__name__} cannot be re-sampled")
+
     def close(self) -> None:
         """Shut down the executor if this workflow made it."""
         if self._owns_executor:
@@ -304,6 +309,9 @@ class RLVRWorkflow(RolloutWorkflow):
         super().__init__(config, tokenizer, executor)
         self.reward_fn = reward_fn
 
+    def resampled(self, config: WorkflowConfig) -> RLVRWorkflow:
+        return RLVRWorkflow(config, self.tokenizer, self.reward_fn, self.executor)
+
     async def run(self, generator: Generator, task: TaskItem, group_id: int) -> list[Trajectory]:
         _check_group_id(group_id)
         start = time.perf_counter()
@@ -358,6 +366,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
         super().__init__(config, tokenizer, executor)
         self.env = env
         self.renderer = TurnRenderer(tokenizer)
+
+    def resampled(self, config: WorkflowConfig) -> MultiTurnWorkflow:
+        return MultiTurnWorkflow(config, self.tokenizer, self.env, self.executor)
 
     async def run(self, generator: Generator, task: TaskItem, group_id: int) -> list[Trajectory]:
         _check_group_id(group_id)
