@@ -358,7 +358,8 @@ def load(cls: type[C], path: str | Path | None = None, overrides: Iterable[str] 
 
 
 def describe(cls: type[Config], prefix: str = "") -> list[str]:
-    """One line per field, `key (type, default, range): doc`, recursing into sections."""
+    """One line per field, `key (type, default, range): doc`, recursing into sections (an optional section,
+    e.g. `model.lora`: its own line, then its fields)."""
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -371,4 +372,15 @@ def describe(cls: type[Config], prefix: str = "") -> list[str]:
         allowed = _allowed_range(f.metadata)
         extra = f", {allowed}" if allowed else ""
         lines.append(f"{key} ({_type_name(tp)}, default {default!r}{extra}): {f.metadata.get('doc', '')}")
+        section = _optional_section(tp)
+        if section is not None:
+            lines.extend(describe(section, prefix=f"{key}."))
     return lines
+
+
+def _optional_section(tp: Any) -> type[Config] | None:
+    """The section of a `Section | None` field, else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    sections = [a for a in typing.get_args(tp) if isinstance(a, type) and issubclass(a, Config)]
+    return sections[0] if len(sections) == 1 else None

@@ -11,6 +11,7 @@
 | `warm_start` | the supervised warm start's example order |
 | `generator` | rollout server i's generator (index i): the sampling keys of requests without a seed |
 | `eval` | the held-out evaluation's sampling (during training and `areal-jax eval`) |
+| `lora_dropout` | the LoRA dropout masks of the policy update (index: the step's policy version, the mini-batch) |
 
 `stream_seed(seed, name, *index)` is NumPy's `SeedSequence` over (seed, the stream's number, index...):
 distinct streams give independent seeds. The numbers of the streams never change (a run's data order is
@@ -21,7 +22,16 @@ from __future__ import annotations
 
 import numpy as np
 
-STREAMS = {"init": 1, "tasks": 2, "heldout": 3, "shuffle": 4, "warm_start": 5, "generator": 6, "eval": 7}
+STREAMS = {
+    "init": 1,
+    "tasks": 2,
+    "heldout": 3,
+    "shuffle": 4,
+    "warm_start": 5,
+    "generator": 6,
+    "eval": 7,
+    "lora_dropout": 8,
+}
 
 
 def stream_seed(seed: int, stream: str, *index: int) -> int:

@@ -146,7 +146,7 @@ def train_memory(name: str, cfg: ModelConfig, state: nnx.State, mesh: Any) -> No
         )
     (mb,) = build_batch(trajectories, config, None, None).minibatches
     batch = step.put_batch(mb)
-    lowered = step._update_gradients.lower(step.program, params, step.frozen, batch, None, None, jnp.int32(0))
+    lowered = step._update_gradients.lower(step.program, params, step.frozen, batch, None, None, jnp.int32(0), None)
     grads = lowered.out_info[0]
     gradient = lowered.compile()
     apply = step._apply.lower(step.program, params, opt_state, grads).compile()

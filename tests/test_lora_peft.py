@@ -127,6 +127,7 @@ def test_a_lora_run_exports_the_adapter_its_base_and_merged_weights(tmp_path: Pa
             "model.lora.rank=2",
             "model.lora.targets=[q,v,down]",
             "model.lora.export_merged=true",
+            "model.lora.dropout=0.1",
         ],
     )
     model = Decoder(cfg.model, nnx.Rngs(0))
@@ -135,9 +136,12 @@ def test_a_lora_run_exports_the_adapter_its_base_and_merged_weights(tmp_path: Pa
     config = json.loads((out / ADAPTER_CONFIG).read_text())
     assert config["base_model_name_or_path"] == str((tmp_path / "final" / "base").absolute())
     assert config["target_modules"] == ["q_proj", "v_proj", "down_proj"]
+    assert config["lora_dropout"] == 0.1  # the run's, as PEFT would train on with it
     _, base = load_hf_checkpoint(out / "base")
     _, merged = load_hf_checkpoint(out / "merged")
     assert merged.config.lora is None
     want = _ours(model)
     np.testing.assert_allclose(_ours(merged), want, atol=2e-5)
-    np.testing.assert_array_equal(_ours(load_peft_adapter(out, base)), want)
+    reloaded = load_peft_adapter(out, base)
+    assert reloaded.config.lora.dropout == 0.1
+    np.testing.assert_array_equal(_ours(reloaded), want)  # scoring never drops out

@@ -1,5 +1,6 @@
 """Resume with LoRA: the training checkpoint holds the adapters and their optimizer state alone; a trainer rebuilt
-from the same base and restored by the run's own `restore` continues to the same adapters as an uninterrupted run."""
+from the same base and restored by the run's own `restore` continues to the same adapters as an uninterrupted run,
+with LoRA dropout too (its masks come from the run seed and the step)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from areal_jax.models.decoder import Decoder
@@ -20,20 +22,22 @@ CFG = TINY.replace(num_layers=1, lora=LoRAConfig(rank=4, targets=("q", "v", "o",
 K = 2  # steps before the checkpoint and after it
 
 
-def _trainer() -> Trainer:
-    return Trainer(Decoder(CFG, nnx.Rngs(0)), CONFIG, single_device_mesh(), temperature=TEMPERATURE)
+def _trainer(dropout: float) -> Trainer:
+    cfg = CFG.replace(lora=CFG.lora.replace(dropout=dropout))
+    return Trainer(Decoder(cfg, nnx.Rngs(0)), CONFIG, single_device_mesh(), temperature=TEMPERATURE, seed=7)
 
 
 def _batch(step: int):
     return make_trajectories(np.random.default_rng(100 + step), 8, version=step)
 
 
-def test_a_lora_run_resumes_exactly_from_a_checkpoint_of_adapters(tmp_path: Path) -> None:
-    straight = _trainer()
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_a_lora_run_resumes_exactly_from_a_checkpoint_of_adapters(tmp_path: Path, dropout: float) -> None:
+    straight = _trainer(dropout)
     for step in range(2 * K):
         straight.step(_batch(step))
 
-    first = _trainer()
+    first = _trainer(dropout)
     for step in range(K):
         first.step(_batch(step))
     checkpointer = TrainCheckpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, async_save=False))
@@ -47,7 +51,7 @@ def test_a_lora_run_resumes_exactly_from_a_checkpoint_of_adapters(tmp_path: Path
     # adapters and their Adam moments only (the base is the run's source): below the arrays alone of a full checkpoint
     assert written < 3 * base_bytes
 
-    resumed = _trainer()
+    resumed = _trainer(dropout)
     checkpointer = TrainCheckpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, async_save=False))
     try:
         restored, step = restore(checkpointer, resumed)

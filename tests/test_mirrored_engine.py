@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -171,3 +172,85 @@ def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp
     assert json.loads(Path(control.status_path(0)).read_text())["pid"] == servers[0].pid
     assert {shard.writer_id.rsplit("-", 1)[1] for shard in list_shards(log)} == {str(servers[0].pid)}
     assert not list((cfg.run_dir / "control").glob("*.failed"))
+
+
+def test_a_lora_rollout_server_over_two_processes_serves_adapter_versions_over_the_base(tmp_path: Path) -> None:
+    """`model.lora` over two processes: each loads the run's base itself, restores adapter-only versions, and the
+    served tokens' behaviour log-probs are those of base + the adapters of each token's version."""
+    from areal_jax.config import load_experiment
+    from areal_jax.data.rollout_log_reader import read_shard
+    from areal_jax.data.rollout_log_shards import list_shards
+    from areal_jax.models.lora import split_trainable
+    from areal_jax.system.assembly import build_tokenizer, random_policy
+    from areal_jax.system.cluster import ControlFiles
+    from areal_jax.weights.base import tree_nbytes
+    from tests.test_lora_model import with_random_adapters
+
+    run = [*SERVER_RUN, "model.lora.rank=4", "model.lora.targets=[q,v,o,down]"]
+    cfg = load_experiment(run[0], [*run[1:], f"output_dir={tmp_path}", "name=run"])
+    control = ControlFiles(cfg.run_dir, 1)
+    control.clear()
+    base = random_policy(cfg, None, build_tokenizer(cfg))  # the run's seeded init: what the servers load
+    states = {0: nnx.state(base), 1: with_random_adapters(base, seed=5, std=0.5)}
+    adapters = {version: split_trainable(cfg.model, state)[0] for version, state in states.items()}
+    adapter_bytes, base_bytes = tree_nbytes(adapters[0]), tree_nbytes(split_trainable(cfg.model, states[0])[1])
+    publisher = OrbaxWeightPublisher(cfg.run_dir / "weights", async_save=False)
+    publisher.publish(adapters[0], 0)
+    control.trainer_ready(0)
+
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *run, f"output_dir={tmp_path}"]
+    command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
+    command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
+    servers = _start_two(lambda i: [*command, f"distributed.process_id={i}"], env)
+    log = cfg.run_dir / "rollout_log"
+
+    def written() -> int:
+        return sum(shard.num_records for shard in list_shards(log)) if log.is_dir() else 0
+
+    def wait_until(predicate, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert all(s.poll() is None for s in servers), "a server process ended early"
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.1)
+
+    wait_until(lambda: written() >= 8 * 2, 240)
+    publisher.publish(adapters[1], 1)
+    wait_until(lambda: written() >= 12 * 2, 120)  # admitted only once v1 is in use
+    control.request_stop("test")
+    outputs = [server.communicate(timeout=60)[0] for server in servers]
+    publisher.close()
+    assert [server.returncode for server in servers] == [0, 0], outputs[1][-3000:] + outputs[0][-3000:]
+    for output in outputs:  # each process restored the adapters alone
+        assert f"loaded weights version 1: {adapter_bytes} bytes" in output
+    version_dir = sum(f.stat().st_size for f in (cfg.run_dir / "weights" / "1").rglob("*") if f.is_file())
+    assert adapter_bytes <= version_dir < adapter_bytes + 64 * 1024 < base_bytes
+
+    width = cfg.rollout.engine.max_length
+    graphdef = nnx.graphdef(base)
+
+    @jax.jit
+    def scores(state: nnx.State, ids_1xW: jax.Array, n: jax.Array) -> jax.Array:
+        """log p(ids[t] | ids[:t]) at position t - 1, at the sampler's temperature."""
+        segments = (jnp.arange(width) < n).astype(jnp.int32)[None]
+        targets = jnp.roll(ids_1xW, -1, axis=1)
+        model = nnx.merge(graphdef, state)
+        temperature = cfg.rollout.workflow.sampling.temperature
+        return model.token_logprobs(ids_1xW, targets, segments, jnp.arange(width)[None], temperature)[0][0]
+
+    served, by_version, moved = [], [], []
+    for shard in list_shards(log):
+        for entry in read_shard(log, shard)[0]:
+            t = entry.trajectory
+            ids = np.zeros((1, width), np.int32)
+            ids[0, : len(t.token_ids)] = t.token_ids
+            at = {v: np.asarray(scores(states[v], ids, len(t.token_ids))) for v in states}
+            positions = np.flatnonzero(t.loss_mask)
+            versions = t.versions[positions]
+            served.append(t.behav_logprobs[positions])
+            by_version.append(np.where(versions == 1, at[1][positions - 1], at[0][positions - 1]))
+            moved.append(np.where(versions == 1, np.abs(at[1] - at[0])[positions - 1], 0.0))
+    served, by_version, moved = (np.concatenate(x) for x in (served, by_version, moved))
+    np.testing.assert_allclose(served, by_version, atol=2e-4)
+    assert moved.max() > 0.05  # the tokens of version 1 were sampled by its adapters, not by the base's

@@ -185,7 +185,7 @@ def test_plain_ppo_update_takes_no_proximal_logprobs(model_state):
     params, _ = step.init(state)
     # lowered, not compiled (a compile costs seconds here): the program and its statistics
     lowered = step._update_gradients.lower(
-        step.program, params, step.frozen, step.put_batch(batch), None, None, jnp.int32(0)
+        step.program, params, step.frozen, step.put_batch(batch), None, None, jnp.int32(0), None
     )
     stats = lowered.out_info[2]
     assert "ppo/pg_loss" in stats and "train/grad_norm" in stats and "ppo/iw_mean" not in stats
@@ -201,7 +201,7 @@ def test_bf16_params_are_updated_in_bf16_when_the_user_chooses_them(caplog):
     params, opt_state = step.init(state)
     # lowered, not compiled: the update keeps bf16 params and Adam moments shaped like them
     gradients = step._update_gradients.lower(
-        step.program, params, step.frozen, step.put_batch(batch), None, None, jnp.int32(0)
+        step.program, params, step.frozen, step.put_batch(batch), None, None, jnp.int32(0), None
     )
     grads = gradients.out_info[0]
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}

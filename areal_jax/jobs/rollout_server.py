@@ -13,6 +13,10 @@ With `distributed.enabled` over several processes (hosts), the server is one pro
 spans every process's devices: process 0 runs everything above on a `MirroredEngine`, the other processes
 carry out its engine calls and weight loads (`mirrored_engine.py`) and write nothing; process 0's end ends
 them, and process 0 exits (status 1) as soon as it loses one of them.
+
+With `model.lora` a version carries the adapters alone: the engine first loads the run's base from its source
+(`load_policy`: the HF checkpoint, warm start or seeded random init), every process of the server its own, and
+serves each adapter version over it.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig
@@ -105,23 +111,18 @@ def run_rollout_server(
     if cfg.model.lora is not None:  # a LoRA version carries the adapters alone
         state, shardings = adapter_state(state), adapter_state(shardings)
     target = abstract_target(state, shardings)  # what each version is loaded onto
+    base = _base_loader(cfg, mesh, tokenizer) if cfg.model.lora is not None else None
     if jax.process_count() == 1:
         with mirroring(cfg, only=frozenset({EVAL_DIR})):  # server 0's held-out evaluations, on a gs:// run
-            return _serve(cfg, server, tokenizer, engine, target, stop_event)
-    if cfg.model.lora is not None:
-        raise ConfigError(
-            "model.lora",
-            f"is set but this rollout server spans {jax.process_count()} processes: serving LoRA versions is "
-            "supported by single-process rollout servers only (the followers would need the base too)",
-        )
+            return _serve(cfg, server, tokenizer, engine, target, stop_event, base)
     channel = _join_processes(cfg)
     if isinstance(channel, CommandReceiver):
-        return _follow(cfg, server, engine, target, channel, stop_event)
+        return _follow(cfg, server, engine, target, channel, stop_event, base)
     mirrored = MirroredEngine(engine, channel)
     ended_by = "failed"
     try:
         with mirroring(cfg, only=frozenset({EVAL_DIR})):
-            summary = _serve(cfg, server, tokenizer, mirrored, target, stop_event)
+            summary = _serve(cfg, server, tokenizer, mirrored, target, stop_event, base)
         ended_by = summary.ended_by
         return summary
     finally:
@@ -135,8 +136,10 @@ def _serve(
     engine: ServingEngine,
     target: Any,
     stop_event: threading.Event,
+    load_base: Callable[[], nnx.State] | None,
 ) -> RolloutServerSummary:
-    """The server on `engine` (process 0's, when the server spans several processes)."""
+    """The server on `engine` (process 0's, when the server spans several processes); `load_base` loads a LoRA
+    run's base, which the engine serves every adapter-only version over."""
     servers = cfg.cluster.rollout_servers
     control = ControlFiles(cfg.run_location, servers)
     subscriber = _wait_for_trainer(control, cfg.layout.weights, cfg, server, stop_event)
@@ -144,8 +147,11 @@ def _serve(
         return RolloutServerSummary(server, 0, 0, 0, 0, ended_by="signal")
     if isinstance(engine, MirroredEngine):
         subscriber = MirroredWeights(subscriber, engine)
-    if cfg.model.lora is not None:  # versions carry adapters alone: the base comes once from the run's source
-        engine.load_params(nnx.state(load_policy(cfg, engine.mesh, tokenizer)), -1)
+    if load_base is not None:  # versions carry adapters alone: the base comes once from the run's source
+        if isinstance(engine, MirroredEngine):
+            engine.load_base(load_base)  # on every process of the server
+        else:
+            engine.load_params(load_base(), -1)
     resources.record(cfg.run_location, resources.rollout_role(server), jax.local_devices())
     try:
         with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
@@ -198,6 +204,11 @@ def _serve_side(
         versions_loaded=serving.versions_loaded,
         ended_by=ended_by,
     )
+
+
+def _base_loader(cfg: ExperimentConfig, mesh: Mesh, tokenizer: Any) -> Callable[[], nnx.State]:
+    """What loads a LoRA run's base onto the engine's `mesh`: the run's starting policy, as the trainer loads it."""
+    return lambda: nnx.state(load_policy(cfg, mesh, tokenizer))
 
 
 def _newest(subscriber: WeightSubscriber, target: Any) -> tuple[Any, int]:
@@ -253,9 +264,11 @@ def _follow(
     target: Any,
     receiver: CommandReceiver,
     stop_event: threading.Event,
+    load_base: Callable[[], nnx.State] | None,
 ) -> RolloutServerSummary:
-    """A process > 0 of the server: carries out process 0's engine commands until its stop; writes nothing
-    but the record of its devices (for `areal-jax plan`)."""
+    """A process > 0 of the server: carries out process 0's engine commands until its stop (`load_base`: a LoRA
+    run's base, loaded when process 0 loads its own); writes nothing but the record of its devices (for
+    `areal-jax plan`)."""
     resources.record(cfg.run_location, resources.rollout_role(server), jax.local_devices())
     subscriber: WeightSubscriber | None = None
     versions = 0
@@ -270,7 +283,7 @@ def _follow(
         return weights.params
 
     try:
-        ended_by = follow(engine, receiver, restore, stop_event.is_set)
+        ended_by = follow(engine, receiver, restore, stop_event.is_set, load_base)
     except PeerLost as err:
         raise RolloutServerError(str(err)) from err
     finally:

@@ -150,6 +150,7 @@ def train(
             temperature=cfg.rollout.workflow.sampling.temperature,
             max_new_tokens=cfg.rollout.workflow.sampling.max_new_tokens,
             reference_params=nnx.state(model) if cfg.trainer.uses_reference else None,  # the starting policy
+            seed=cfg.seed,  # LoRA dropout's masks
         )
         model = abstract_like(model)  # the trainer holds its own copy: the loaded arrays are freed
         before_save = mirror.sync if mirror is not None else None  # records up to a checkpoint before it

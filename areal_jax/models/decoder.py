@@ -195,25 +195,38 @@ class Decoder(nnx.Module):
         return jax.lax.scan(step, carry, layers, unroll=not self.config.scans_layers())
 
     def _run_rows(
-        self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array, keep_kv: bool
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        keep_kv: bool,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Every layer over rows masked by segment ids and positions (packed or right-padded): the last
-        layer's output [B, T, D] (not normed) and, with `keep_kv`, each layer's keys/values [Y, B, T, K, H]."""
+        layer's output [B, T, D] (not normed) and, with `keep_kv`, each layer's keys/values [Y, B, T, K, H].
+        With `dropout_key`, LoRA dropout (`lora.dropout`) on the adapters' inputs, a key per layer."""
         attend = get_attention(self.config.attention_impl)
         sin, cos = self._rope(positions_BxT)
 
-        def body(x_BxTxD: jax.Array, layer: DecoderLayer, _: jax.Array):
-            q, k, v = layer.attention_inputs(x_BxTxD, sin, cos)
+        def body(x_BxTxD: jax.Array, layer: DecoderLayer, index: jax.Array):
+            key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
+            q, k, v = layer.attention_inputs(x_BxTxD, sin, cos, key)
             out = attend(q, k, v, segment_ids=segment_ids_BxT, positions=positions_BxT)
-            return layer.finish(x_BxTxD, out), ((k, v) if keep_kv else None)
+            return layer.finish(x_BxTxD, out, key), ((k, v) if keep_kv else None)
 
         return self._scan_layers(body, self._embed(tokens_BxT))
 
     # -- (a) packed forward -------------------------------------------------------------------
 
-    def hidden_states(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        """Final-normed hidden states [B, T, D] of packed rows."""
-        x_BxTxD, _ = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=False)
+    def hidden_states(
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-normed hidden states [B, T, D] of packed rows (LoRA dropout with `dropout_key`)."""
+        x_BxTxD, _ = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=False, dropout_key=dropout_key)
         return self.final_norm(x_BxTxD)
 
     def logits(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
@@ -229,10 +242,11 @@ class Decoder(nnx.Module):
         segment_ids_BxT: jax.Array,
         positions_BxT: jax.Array,
         temperature: float | jax.Array = 1.0,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """(log p(target | prefix), entropy) per token, both [B, T] fp32, at the given temperature, over
-        the usable vocabulary."""
-        h_BxTxD = self.hidden_states(tokens_BxT, segment_ids_BxT, positions_BxT)
+        the usable vocabulary; with `dropout_key`, under LoRA dropout (the policy update's forward)."""
+        h_BxTxD = self.hidden_states(tokens_BxT, segment_ids_BxT, positions_BxT, dropout_key)
         cfg = self.config
         return chunked_logprobs(
             h_BxTxD, self.head_kernel(), targets_BxT, cfg.resolved_logprob_chunk, temperature, cfg.usable_vocab

@@ -61,7 +61,7 @@ class QKVProjection(nnx.Module):
         self.lora_q, self.lora_k, self.lora_v = (adapter(cfg, t, lora_rngs) for t in ("q", "k", "v"))
 
     def __call__(
-        self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array
+        self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array, dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x_BxTxD.shape
         g = self.group
@@ -72,11 +72,11 @@ class QKVProjection(nnx.Module):
         k_BxTxKxH = qkv_BxTxKxJxH[:, :, :, g]
         v_BxTxKxH = qkv_BxTxKxJxH[:, :, :, g + 1]
         if self.lora_q is not None:
-            q_BxTxNxH = q_BxTxNxH + self.lora_q(x_BxTxD).reshape(q_BxTxNxH.shape)
+            q_BxTxNxH = q_BxTxNxH + self.lora_q(x_BxTxD, dropout_key).reshape(q_BxTxNxH.shape)
         if self.lora_k is not None:
-            k_BxTxKxH = k_BxTxKxH + self.lora_k(x_BxTxD)
+            k_BxTxKxH = k_BxTxKxH + self.lora_k(x_BxTxD, dropout_key)
         if self.lora_v is not None:
-            v_BxTxKxH = v_BxTxKxH + self.lora_v(x_BxTxD)
+            v_BxTxKxH = v_BxTxKxH + self.lora_v(x_BxTxD, dropout_key)
         if self.q_norm is not None and self.k_norm is not None:
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
@@ -129,7 +129,7 @@ class SwiGLU(nnx.Module):
         self.down = _param(rngs, (f, d), ("mlp", "embed"), cfg, cfg.initializer_range)
         self.lora_gate, self.lora_up, self.lora_down = (adapter(cfg, t, lora_rngs) for t in ("gate", "up", "down"))
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         dtype = self.compute_dtype
         if self.lora_gate is None and self.lora_up is None:
             hidden_BxTxF = gated_projection(x_BxTxD, self.gate_up[...].astype(dtype))
@@ -137,13 +137,13 @@ class SwiGLU(nnx.Module):
             gate_up_BxTx2xF = jnp.einsum("btd,dcf->btcf", x_BxTxD, self.gate_up[...].astype(dtype))
             gate_BxTxF, up_BxTxF = gate_up_BxTx2xF[:, :, 0], gate_up_BxTx2xF[:, :, 1]
             if self.lora_gate is not None:
-                gate_BxTxF = gate_BxTxF + self.lora_gate(x_BxTxD)
+                gate_BxTxF = gate_BxTxF + self.lora_gate(x_BxTxD, dropout_key)
             if self.lora_up is not None:
-                up_BxTxF = up_BxTxF + self.lora_up(x_BxTxD)
+                up_BxTxF = up_BxTxF + self.lora_up(x_BxTxD, dropout_key)
             hidden_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
         out_BxTxD = hidden_BxTxF @ self.down[...].astype(dtype)
         if self.lora_down is not None:
-            out_BxTxD = out_BxTxD + self.lora_down(hidden_BxTxF)
+            out_BxTxD = out_BxTxD + self.lora_down(hidden_BxTxF, dropout_key)
         return out_BxTxD
 
 
@@ -167,12 +167,15 @@ class DecoderLayer(nnx.Module):
         self.compute_dtype = cfg.compute_jnp_dtype
 
     def attention_inputs(
-        self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array
+        self, x_BxTxD: jax.Array, sin_BxTxH: jax.Array, cos_BxTxH: jax.Array, dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B,T,N,H], k and v [B,T,K,H] of the normed input, RoPE applied to q and k."""
-        return self.qkv(self.input_norm(x_BxTxD), sin_BxTxH, cos_BxTxH)
+        """q [B,T,N,H], k and v [B,T,K,H] of the normed input, RoPE applied to q and k. `dropout_key`: the
+        layer's key of LoRA dropout (the update's forward only)."""
+        return self.qkv(self.input_norm(x_BxTxD), sin_BxTxH, cos_BxTxH, dropout_key)
 
-    def finish(self, x_BxTxD: jax.Array, attention_BxTxNxH: jax.Array) -> jax.Array:
+    def finish(
+        self, x_BxTxD: jax.Array, attention_BxTxNxH: jax.Array, dropout_key: jax.Array | None = None
+    ) -> jax.Array:
         """Output projection, residual, then the MLP half of the block."""
         b, t, n, h = attention_BxTxNxH.shape
         # One [T, N*H] x [N*H, D] matmul over row-major reshapes (bitcasts); a two-axis contraction made
@@ -180,5 +183,5 @@ class DecoderLayer(nnx.Module):
         o_QxD = self.o[...].astype(self.compute_dtype).reshape(n * h, -1)
         h_BxTxD = x_BxTxD + attention_BxTxNxH.reshape(b, t, n * h) @ o_QxD
         if self.lora_o is not None:
-            h_BxTxD = h_BxTxD + self.lora_o(attention_BxTxNxH)
-        return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD))
+            h_BxTxD = h_BxTxD + self.lora_o(attention_BxTxNxH, dropout_key)
+        return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD), dropout_key)

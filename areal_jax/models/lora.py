@@ -7,6 +7,10 @@ delta W = a @ b * alpha / r is a reshape away from W's slice, and PEFT's lora_A 
 transpose away from a and b (`peft_io.py`). Every parameter is a `LoRAParam`, which is how the trainer, the
 weight paths and the engine tell adapters from base (`adapter_filter`).
 
+Dropout (`lora.dropout`, PEFT's lora_dropout) zeroes entries of the adapter's input x (the rest scaled by 1 / (1 - p))
+when a call is given a key: only the policy update's forward passes one (`train_step.py`), so every other pass is
+the deterministic program it is without dropout.
+
 Legend: D model width, N query heads, K key/value heads, G = N / K, H head dim, F MLP width, r rank, Y layers.
 """
 
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.lora_config import TARGETS
 
 
 class LoRAParam(nnx.Param):
@@ -45,8 +50,15 @@ def target_layout(
     return layouts[target]
 
 
+def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
+    """Inverted dropout: each entry of `x` zeroed with probability `rate`, the others divided by 1 - rate."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
 class LoRA(nnx.Module):
-    """The adapter of one projection: `__call__(x)` is x @ a @ b * alpha / r over x's trailing input axes."""
+    """The adapter of one projection: `__call__(x)` is x @ a @ b * alpha / r over x's trailing input axes; with a
+    `dropout_key` (and `lora.dropout` > 0) x is first dropped out, with a mask of this target's own."""
 
     def __init__(self, cfg: ModelConfig, target: str, rngs: nnx.Rngs):
         lora = cfg.lora
@@ -63,10 +75,14 @@ class LoRA(nnx.Module):
             jnp.zeros((lora.rank, *out_shape), cfg.param_jnp_dtype), out_sharding=("lora_rank", *out_axes)
         )
         self.scale = lora.scale
+        self.dropout = lora.dropout
+        self.stream = TARGETS.index(target)  # the key a layer's targets fold in: q, k and v get different masks
         self.compute_dtype = cfg.compute_jnp_dtype
         self.in_ndim = len(in_shape)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        if dropout_key is not None and self.dropout > 0:
+            x = dropout(x, self.dropout, jax.random.fold_in(dropout_key, self.stream))
         a, b = self.a[...].astype(self.compute_dtype), self.b[...].astype(self.compute_dtype)
         r = a.shape[-1]
         lead = x.shape[: x.ndim - self.in_ndim]

@@ -28,6 +28,13 @@ class LoRAConfig(Config):
         "default, uniform in +-1/sqrt(fan_in); gaussian = normal with std 1/rank (PEFT init_lora_weights='gaussian')",
     )
     seed: int = option(0, doc="seed of A's init (its own stream: the base's init does not depend on the adapters)")
+    dropout: float = option(
+        0.0,
+        ge=0,
+        lt=1,
+        doc="PEFT's lora_dropout: the probability of zeroing an adapter input entry (the rest scaled by 1 / (1 - p)) "
+        "in the policy update's forward only; every log-prob pass, evaluation and the engines run without it",
+    )
     export_merged: bool = option(
         False, doc="the final export also writes the merged full weights (W + A B alpha/r) as an HF checkpoint"
     )

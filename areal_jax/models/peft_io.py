@@ -57,7 +57,7 @@ def peft_config(lora: LoRAConfig, base_model_name_or_path: str | None) -> dict[s
         "base_model_name_or_path": base_model_name_or_path,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "target_modules": [MODULES[t].split(".")[-1] for t in TARGETS if t in lora.targets],
         "bias": "none",
         "fan_in_fan_out": False,
@@ -93,7 +93,10 @@ def lora_config_from_peft(config: dict[str, Any]) -> LoRAConfig:
         raise CheckpointError(f"{ADAPTER_CONFIG}: target_modules {unknown} are not supported; known: {list(by_module)}")
     targets = tuple(t for t in TARGETS if MODULES[t].split(".")[-1] in modules)
     init = "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"
-    return LoRAConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets, init=init)
+    dropout = float(config.get("lora_dropout") or 0.0)  # training only: serving and evaluation never drop out
+    return LoRAConfig(
+        rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets, init=init, dropout=dropout
+    )
 
 
 def iter_peft_tensors(cfg: ModelConfig, state: nnx.State) -> Any:

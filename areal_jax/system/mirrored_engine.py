@@ -18,7 +18,9 @@ found with decode steps dispatched ahead of their reads); TPU and GPU runtimes o
 Weights: each process restores a version from the store by itself (`OrbaxWeightSubscriber` with
 `process_local`: its own shards, no collective). Process 0 decides which version: `MirroredWeights.load`
 first tells the followers to start restoring it (in their own thread, while they keep following), and the
-engine's `load_params` then makes every process place its restored copy.
+engine's `load_params` then makes every process place its restored copy. A LoRA run's versions carry adapters
+alone: `load_base` first makes every process load the run's base from its source and place it (`follow`'s
+`load_base`), as a one-process server's engine does, so each adapter version is served over it.
 """
 
 from __future__ import annotations
@@ -114,6 +116,14 @@ class MirroredEngine:
         with self._lock:
             handle = self._send("load", version)
             return self._register(self._done(self.engine.load_params(state, version)), handle)
+
+    def load_base(self, load: Callable[[], nnx.State]) -> VersionedParams:
+        """Place the full state `load()` returns (a LoRA run's base, version -1) as the engine's base: every
+        follower loads its own (`follow`'s `load_base`) at the same time, since loading one onto a mesh over
+        every process's devices takes every process."""
+        with self._lock:
+            handle = self._send("base")
+            return self._register(self._done(self.engine.load_params(load(), -1)), handle)
 
     def prefill_batch(self, params: VersionedParams, prompts: Sequence[Sequence[int]]) -> PrefixBatch:
         with self._lock:
@@ -235,10 +245,12 @@ def follow(
     receiver: CommandReceiver,
     restore: Callable[[int], nnx.State],
     stop_requested: Callable[[], bool] = lambda: False,
+    load_base: Callable[[], nnx.State] | None = None,
 ) -> str:
     """Make process 0's engine calls on `engine` until its stop command (returns its reason). `restore`
-    loads a weight version from the store onto `engine.param_shardings` (run in a helper thread). A stop
-    request here (a signal) ends following after `STOP_GRACE_S` without process 0's stop ('signal')."""
+    loads a weight version from the store onto `engine.param_shardings` (run in a helper thread); `load_base`
+    loads a LoRA run's base (`MirroredEngine.load_base`). A stop request here (a signal) ends following after
+    `STOP_GRACE_S` without process 0's stop ('signal')."""
     objects: dict[int, Any] = {}
     restores: dict[int, concurrent.futures.Future[nnx.State]] = {}
     stop_since: float | None = None
@@ -268,6 +280,10 @@ def follow(
                     for older in [v for v in restores if v < version]:
                         restores.pop(older)
                     objects[handle] = engine.load_params(state, version)
+                case "base":
+                    if load_base is None:
+                        raise ValueError("process 0 loads a LoRA base but this process was given none to load")
+                    objects[handle] = engine.load_params(load_base(), -1)
                 case "prefill":
                     params, prompts = args
                     objects[handle] = engine.prefill_batch(objects[params], prompts)

@@ -15,6 +15,11 @@ with params and optimizer state donated. In one program the skip's select betwee
 old AdamW state keeps a second gradient-sized buffer alive (`apply_if_finite` and `lax.cond` alike: XLA
 cannot update the moments in place while the old ones may still be chosen): 1.84 GiB at Qwen2.5-0.5B.
 
+LoRA dropout (`model.lora.dropout` > 0) runs in the update's forward alone: the update takes a seed (`Trainer`
+derives it from the run seed, the step and the mini-batch: `seeds.py`'s `lora_dropout` stream) and folds in each
+micro-batch's index; the log-prob passes, and log pi_prox of a step's first update, are forwards without it. At
+dropout 0 no seed is passed, so the programs are those of a run without dropout.
+
 The traced functions are module-level and take everything static as one hashable `_Program`, so two
 `TrainStep`s of the same model, config and mesh share their compiled programs.
 
@@ -142,9 +147,11 @@ class _Scorer:
     graphdef: nnx.GraphDef
     temperature: float
 
-    def token_logprobs(self, params: nnx.State, frozen: nnx.State, mb: PackedBatch) -> tuple[jax.Array, jax.Array]:
+    def token_logprobs(
+        self, params: nnx.State, frozen: nnx.State, mb: PackedBatch, dropout_key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.graphdef, params, frozen)
-        return model.token_logprobs(mb.tokens, mb.targets, mb.segment_ids, mb.positions, self.temperature)
+        return model.token_logprobs(mb.tokens, mb.targets, mb.segment_ids, mb.positions, self.temperature, dropout_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,8 @@ class _Program:
     params_def: Any  # the PyTreeDef of the parameter state
     param_sharding_leaves: tuple[NamedSharding, ...]
     # the update's params are the step's starting weights (its first mini-batch): log pi_prox is the update's
-    # own log-probs under stop-gradient, exactly, with no proximal pass (prox_logp_method auto)
+    # own log-probs under stop-gradient, exactly, with no proximal pass (prox_logp_method auto; under LoRA dropout
+    # a second forward of the update, without dropout)
     prox_is_current: bool = False
 
     @property
@@ -191,11 +199,14 @@ def _microbatch_loss(
     num_loss_tokens: jax.Array,
     num_loss_sequences: jax.Array | None,
     version: jax.Array,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, frozen, mb)
+    logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, frozen, mb, dropout_key)
     method, prox_stats = program.ppo.prox_logp_method, {}
     if program.ppo.decoupled and method == "auto" and program.prox_is_current:
-        logp_prox_BxL = jax.lax.stop_gradient(logp_BxL)  # the params are the step's starting weights
+        # the params are the step's starting weights; under dropout their log-probs are another forward, without it
+        current_BxL = logp_BxL if dropout_key is None else program.scorer.token_logprobs(params, frozen, mb)[0]
+        logp_prox_BxL = jax.lax.stop_gradient(current_BxL)
     elif program.ppo.decoupled and method == "auto" and logp_prox_BxL is None:
         # the trainer skipped the proximal pass: every loss token was sampled by the step's starting weights
         logp_prox_BxL = mb.logp_behav
@@ -244,36 +255,42 @@ def _gradients_fn(
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
+    dropout_seed: jax.Array | None = None,
 ) -> tuple[jax.Array, nnx.State, dict[str, jax.Array]]:
     """Sum over micro-batches of loss and gradient (each normalised by the whole mini-batch's loss tokens, or
     with `loss_agg: seq_mean_token_mean` its sequences), with respect to `params` only (`frozen`, the base under
-    LoRA adapters, gets none)."""
+    LoRA adapters, gets none). With `dropout_seed`, LoRA dropout in each micro-batch's forward (its key: the
+    seed's with the micro-batch's index folded in)."""
     num_loss_tokens = count_loss_tokens(batch.loss_mask)
     num_loss_sequences = None
     if program.ppo.loss_agg == "seq_mean_token_mean":
         num_loss_sequences = count_loss_sequences(batch.segment_ids, batch.loss_mask)
     grad_fn = jax.value_and_grad(partial(_microbatch_loss, program), has_aux=True)
+    key = None if dropout_seed is None else jax.random.key(dropout_seed)
     if batch.tokens.shape[0] == 1:  # one micro-batch: its gradient is the sum, no accumulator beside it
         first = partial(jax.tree.map, lambda x: x[0])
         prox, ref = (None if x is None else x[0] for x in (logp_prox_MxBxL, logp_ref_MxBxL))
+        mb_key = None if key is None else jax.random.fold_in(key, 0)
         (loss, stats), grads = grad_fn(
-            params, frozen, first(batch), prox, ref, num_loss_tokens, num_loss_sequences, version
+            params, frozen, first(batch), prox, ref, num_loss_tokens, num_loss_sequences, version, mb_key
         )
         grads = jax.lax.with_sharding_constraint(grads, program.param_shardings)
         return loss, grads, merge_stats(jax.tree.map(lambda x: x[None], stats))
 
     def body(
-        grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None, jax.Array | None]
+        grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None, jax.Array | None, jax.Array | None]
     ) -> tuple[nnx.State, tuple[jax.Array, dict[str, jax.Array]]]:
-        mb, logp_prox_BxL, logp_ref_BxL = xs
+        mb, logp_prox_BxL, logp_ref_BxL, index = xs
+        mb_key = None if key is None else jax.random.fold_in(key, index)
         (loss, stats), mb_grads = grad_fn(
-            params, frozen, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, num_loss_sequences, version
+            params, frozen, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, num_loss_sequences, version, mb_key
         )
         grads = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads, mb_grads), program.param_shardings)
         return grads, (loss, stats)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (loss_M, stats_M) = jax.lax.scan(body, zeros, (batch, logp_prox_MxBxL, logp_ref_MxBxL))
+    indices_M = None if key is None else jnp.arange(batch.tokens.shape[0])
+    grads, (loss_M, stats_M) = jax.lax.scan(body, zeros, (batch, logp_prox_MxBxL, logp_ref_MxBxL, indices_M))
     return jnp.sum(loss_M), grads, merge_stats(stats_M)
 
 
@@ -285,9 +302,12 @@ def _update_gradients_fn(
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
+    dropout_seed: jax.Array | None = None,
 ) -> tuple[nnx.State, jax.Array, dict[str, jax.Array]]:
     """The update's first program: (clipped gradient, whether the gradient is finite, statistics)."""
-    loss, grads, stats = _gradients_fn(program, params, frozen, batch, logp_prox_MxBxL, logp_ref_MxBxL, version)
+    loss, grads, stats = _gradients_fn(
+        program, params, frozen, batch, logp_prox_MxBxL, logp_ref_MxBxL, version, dropout_seed
+    )
     finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))  # apply_if_finite's
     stats |= {
         "train/loss": loss,
@@ -415,7 +435,7 @@ class TrainStep:
         self._update_gradients = jax.jit(
             _update_gradients_fn,
             static_argnums=0,
-            in_shardings=(params_sh, frozen_shardings, batch_sh, batch_sh, batch_sh, replicated),
+            in_shardings=(params_sh, frozen_shardings, batch_sh, batch_sh, batch_sh, replicated, replicated),
             out_shardings=(params_sh, replicated, replicated),
         )
         self._apply = jax.jit(
@@ -426,6 +446,12 @@ class TrainStep:
             donate_argnums=(1, 2),  # params and state, updated in place (the gradient has no output to alias)
         )
         self._skip = jax.jit(_skip_fn, in_shardings=(opt_sh,), out_shardings=(opt_sh, replicated), donate_argnums=0)
+
+    @property
+    def uses_dropout(self) -> bool:
+        """Whether updates run LoRA dropout (`model.lora.dropout` > 0) and so need a `dropout_seed`."""
+        lora = self.model_config.lora
+        return lora is not None and lora.dropout > 0
 
     @property
     def uses_reference(self) -> bool:
@@ -474,6 +500,7 @@ class TrainStep:
         version: int,
         logp_ref: jax.Array | None = None,
         prox_is_current: bool = False,
+        dropout_seed: int | None = None,
     ) -> tuple[nnx.State, optax.OptState, dict[str, jax.Array]]:
         """One optimizer update on one mini-batch; `params` and `opt_state` are donated (invalid afterwards).
 
@@ -483,7 +510,8 @@ class TrainStep:
         step skipped the pass because every loss token is on-policy (the update then uses the behaviour
         log-probs); each case is its own program, compiled once. `logp_ref` (the reference policy's `logprobs`)
         is required when `uses_reference` and ignored otherwise; `version` is the trainer's policy version,
-        against which token staleness is measured.
+        against which token staleness is measured. `dropout_seed` (an int in [0, 2**31)) seeds this update's LoRA
+        dropout masks; required when `uses_dropout` and ignored otherwise.
         """
         program = self.program
         if prox_is_current and self.config.ppo.prox_logp_method == "auto":
@@ -492,8 +520,9 @@ class TrainStep:
             raise ValueError("prox_is_current needs ppo.prox_logp_method auto")
         prox = None if program.prox_is_current else self._prox_arg(logp_prox)
         ref = self._ref_arg(logp_ref)
+        seed = self._dropout_arg(dropout_seed)
         grads, finite, stats = self._update_gradients(
-            program, params, self.frozen, batch, prox, ref, jnp.int32(version)
+            program, params, self.frozen, batch, prox, ref, jnp.int32(version), seed
         )
         if bool(finite.addressable_data(0)):  # waits for the gradient: the next program depends on it
             params, opt_state, applied = self._apply(self.program, params, opt_state, grads)
@@ -518,6 +547,13 @@ class TrainStep:
                 f"{self.config.ppo.prox_logp_method!r}; pass logprobs(params, batch)"
             )
         return logp_prox
+
+    def _dropout_arg(self, dropout_seed: int | None) -> jax.Array | None:
+        if not self.uses_dropout:
+            return None
+        if dropout_seed is None:
+            raise ValueError("dropout_seed is None but model.lora.dropout is > 0; pass the update's seed")
+        return jnp.int32(dropout_seed)
 
     def _ref_arg(self, logp_ref: jax.Array | None) -> jax.Array | None:
         if not self.uses_reference:

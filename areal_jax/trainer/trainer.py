@@ -27,6 +27,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.lora import split_trainable
 from areal_jax.objectives.stats import merge_stats
+from areal_jax.seeds import stream_seed
 from areal_jax.trainer.batching import PackedBatch, Planner, build_batch
 from areal_jax.trainer.config import TrainerConfig
 from areal_jax.trainer.train_step import TrainStep
@@ -95,6 +96,9 @@ class Trainer:
 
     `max_new_tokens` is the sampler's cap on a response (rollout.workflow.sampling.max_new_tokens), required
     when `advantage.overlong_buffer` > 0 (DAPO's overlong shaping measures a response against it).
+
+    `seed` is the run seed: with `model.lora.dropout` > 0 each update's dropout masks come from its `lora_dropout`
+    stream at (policy version, mini-batch), so a resumed run draws the masks the uninterrupted one would.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class Trainer:
         temperature: float,
         reference_params: nnx.State | None = None,
         max_new_tokens: int | None = None,
+        seed: int = 0,
     ):
         _check_overlong(config, max_new_tokens)
         if reference_params is None and config.uses_reference:
@@ -149,6 +154,7 @@ class Trainer:
         self.params, self.opt_state = self.train_step.init(state)
         self.planner = planner
         self.max_new_tokens = max_new_tokens
+        self.seed = seed
         self.version = version
         self.skipped_updates = 0
         self._shapes_seen: set[tuple[int, ...]] = set()
@@ -193,10 +199,17 @@ class Trainer:
         )
         prox = logprobs(self.params if self.train_step.needs_prox_pass and not skip_prox else None, first=int(auto))
         ref = logprobs(self.reference_params)
-        stats_P = []
+        stats_P, dropout = [], self.train_step.uses_dropout
         for k, (mb, logp_prox, logp_ref) in enumerate(zip(minibatches, prox, ref, strict=True)):
             self.params, self.opt_state, stats = self.train_step.update(
-                self.params, self.opt_state, mb, logp_prox, self.version, logp_ref, prox_is_current=auto and k == 0
+                self.params,
+                self.opt_state,
+                mb,
+                logp_prox,
+                self.version,
+                logp_ref,
+                prox_is_current=auto and k == 0,
+                dropout_seed=stream_seed(self.seed, "lora_dropout", self.version, k) if dropout else None,
             )
             stats_P.append(stats)
         stats = merge_minibatch_stats(jax.device_get(stats_P))
