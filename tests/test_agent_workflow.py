@@ -5,9 +5,11 @@ and a failing agent fails only its own group, counted against `rollout.failures`
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_jax.agents.examples.shop_lookup import calculate, write_tasks
@@ -21,6 +23,7 @@ from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.eval_config import EvalConfig
 from areal_jax.jsonl import read_jsonl
 from areal_jax.models.tokenizer import load_tokenizer
+from areal_jax.objectives.config import AdvantageConfig
 from areal_jax.rollout.agent_config import AgentConfig
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.evaluation import evaluate, sampled_workflow
@@ -29,6 +32,7 @@ from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
 from areal_jax.rollout.workflow import WorkflowConfig
 from areal_jax.system.assembly import build_prompts, build_workflow
+from areal_jax.trainer.batching import build_batch
 from tests.test_agent_proxy import TOOL_TEMPLATE, tiny_generator
 from tests.tiny_hf_run import make_tiny_hf_run
 
@@ -130,6 +134,42 @@ def test_a_resampled_agent_workflow_runs_its_episodes_with_its_own_sampling(shop
     assert max(s for t in rollouts for s in _model_spans(t.loss_mask)) <= cfg.rollout.workflow.sampling.max_new_tokens
     report = evaluate(generator, workflow, records[:2], EvalConfig(samples_per_prompt=2, temperature=1.0), seed=3)
     assert report.overall.prompts == 2 and len(report.samples) == 4
+
+
+_EPISODES = itertools.count()
+
+
+async def _two_conversations_agent(client, task):
+    """Every other episode asks two unrelated conversations (two sequences) and scores 1; the others ask one and
+    score 0."""
+    two = next(_EPISODES) % 2 == 1
+    for prompt in [task.prompt, f"Once more: {task.prompt}"][: 1 + two]:
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": prompt}])
+    return float(two)
+
+
+@pytest.mark.parametrize("extra", ["all", "train_last"])
+def test_extra_sequences_all_trains_every_sequence_with_one_advantage_per_episode(shop, monkeypatch, extra):
+    cfg, workflow, generator, records = shop
+    monkeypatch.setattr(workflow, "agent", _two_conversations_agent)
+    monkeypatch.setattr(
+        workflow, "config", workflow.config.replace(agent=workflow.config.agent.replace(extra_sequences=extra))
+    )
+    group = asyncio.run(workflow.run(generator, records[0], 3))
+    by_sample = {i: [t for t in group if t.sample_index == i] for i in (0, 1)}
+    split = next(i for i, ts in by_sample.items() if ts[0].metadata["sequences"] == 2)
+    assert {t.reward for t in by_sample[split]} == {1.0} and {t.reward for t in by_sample[1 - split]} == {0.0}
+    if extra == "train_last":
+        assert [len(by_sample[split]), by_sample[split][0].num_sequences] == [1, 1]
+        assert by_sample[split][0].metadata["untrained_sequence_tokens"] > 0
+        return
+    assert [(t.sequence_index, t.num_sequences) for t in by_sample[split]] == [(0, 2), (1, 2)]
+    assert by_sample[split][0].metadata["untrained_sequence_tokens"] == 0
+    assert by_sample[split][0].token_ids.tolist() != by_sample[split][1].token_ids.tolist()
+    # GRPO over the two episodes (rewards 1 and 0): +1 and -1, not the 3-sequence mean's 0.71 and -1.41
+    batch = build_batch(group, cfg.trainer.replace(ppo_minibatches=1, advantage=AdvantageConfig()))
+    advantages = np.concatenate([mb.advantages[mb.loss_mask] for mb in batch.minibatches])
+    np.testing.assert_allclose(sorted(set(np.round(advantages, 4).tolist())), [-1.0, 1.0], atol=1e-3)
 
 
 async def _broken_agent(client, task):

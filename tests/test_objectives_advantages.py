@@ -116,6 +116,31 @@ def test_constant_groups_give_zero_advantage_without_nan():
     assert np.all(np.isfinite(np.asarray(grad)))
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_an_episode_split_into_sequences_counts_once_and_each_sequence_gets_its_advantage(name):
+    """`weight_N` (agent episodes trained as several sequences): copies of an episode with shares 1/k give the
+    advantages of the unsplit episodes, whatever k."""
+    cfg = VARIANTS[name]
+    reward, group, valid = make_rewards(3, binary=False)
+    adv, _ = advantages_jit(jnp.asarray(reward), jnp.asarray(group), cfg, NUM_GROUPS, jnp.asarray(valid))
+    copies = np.random.default_rng(0).integers(1, 4, len(reward))  # each episode recorded as 1-3 sequences
+    episode = np.repeat(np.arange(len(reward)), copies)
+    split, _ = advantages_jit(
+        jnp.asarray(reward[episode]),
+        jnp.asarray(group[episode]),
+        cfg,
+        NUM_GROUPS,
+        jnp.asarray(valid[episode]),
+        jnp.asarray(1.0 / copies[episode]),
+    )
+    np.testing.assert_allclose(split, np.asarray(adv)[episode], rtol=1e-5, atol=1e-5)
+    unweighted, _ = advantages_jit(
+        jnp.asarray(reward[episode]), jnp.asarray(group[episode]), cfg, NUM_GROUPS, jnp.asarray(valid[episode])
+    )
+    if cfg.mean_level != "none":  # counting each sequence as an episode would weigh the split ones more
+        assert not np.allclose(unweighted, np.asarray(adv)[episode], atol=1e-4)
+
+
 def test_rloo_baseline_is_mean_of_the_others():
     reward = jnp.asarray([1.0, 0.0, 0.0, 1.0, 5.0])
     group = jnp.asarray([0, 0, 0, 0, 1])

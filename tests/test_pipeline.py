@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -97,6 +98,44 @@ def state_open_groups(state: dict) -> list:
         return state["open_groups"]
     nested = [state_open_groups(value) for value in state.values() if isinstance(value, dict)]
     return next((found for found in nested if found), [])
+
+
+def test_a_group_waits_for_every_sequence_of_its_episodes_and_resumes_between_them(tmp_path: Path) -> None:
+    """Agent episodes trained as several sequences (`num_sequences`): group 0's sample 1 has 3 sequences, so the
+    group is whole after 4 trajectories of 2 samples; a duplicate sequence is ignored; a state saved while
+    group 1 has 2 of its 3 sequences resumes to the same group."""
+    records = [(1, 1, 0, 1), (0, 0, 0, 1), (1, 0, 0, 2), (0, 1, 2, 3), (0, 1, 0, 3), (0, 1, 0, 3), (0, 1, 1, 3)]
+    records.append((1, 0, 1, 2))
+    log = RolloutLogWriter(tmp_path, "w0")
+    for group, sample, sequence, of in records:
+        trajectory = make_trajectory(group, sample, seed=sequence)
+        log.append(dataclasses.replace(trajectory, sequence_index=sequence, num_sequences=of))
+        log.flush()
+    log.close()
+    config = PipelineConfig(group_size=2, groups_per_batch=1, **FAST)
+
+    def parts(batch):
+        return [(t.group_id, t.sample_index, t.sequence_index) for t in batch]
+
+    iterator = iter(build_pipeline(tmp_path, config))
+    assert parts(next(iterator)) == [(0, 0, 0), (0, 1, 0), (0, 1, 1), (0, 1, 2)]
+    state = json.loads(json.dumps(iterator.get_state()))
+    assert [len(entries) for _, _, entries, _ in state_open_groups(state)] == [2]
+    last = parts(next(iterator))
+    assert last == [(1, 0, 0), (1, 0, 1), (1, 1, 0)]
+    assert pipeline_stats(iterator.get_state())["duplicates"] == 1
+    iterator.close()
+    resumed = iter(build_pipeline(tmp_path, config))
+    resumed.set_state(state)
+    assert [parts(b) for b in resumed] == [last]
+
+    bad = tmp_path / "bad"
+    log = RolloutLogWriter(bad, "w0")
+    for sequence, of in ((0, 2), (1, 3)):
+        log.append(dataclasses.replace(make_trajectory(0, 0), sequence_index=sequence, num_sequences=of))
+    log.close()
+    with pytest.raises(ValueError, match="num_sequences 3, its other sequences 2"):
+        list(build_pipeline(bad, config))
 
 
 def test_staleness_filter_drops_the_right_samples_and_counts_them(tmp_path: Path) -> None:

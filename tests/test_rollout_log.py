@@ -44,6 +44,19 @@ def test_record_roundtrip_keeps_every_field() -> None:
     assert_same_trajectory(dataclasses.replace(t, metadata={**t.metadata, "score": 0.5}), back)
 
 
+def test_sequence_fields_roundtrip_and_a_schema_1_record_is_one_sequence() -> None:
+    import msgpack
+
+    t = dataclasses.replace(make_trajectory(2, 1), sequence_index=1, num_sequences=3)
+    assert_same_trajectory(t, decode_record(encode_record(t, "w", 0, 0.0))[3])
+    data = msgpack.unpackb(encode_record(make_trajectory(2, 1), "w", 0, 0.0), raw=False)
+    old = {k: v for k, v in data.items() if k not in ("sequence_index", "num_sequences")} | {"schema_version": 1}
+    back = decode_record(msgpack.packb(old, use_bin_type=True))[3]
+    assert (back.sequence_index, back.num_sequences, back.schema_version) == (0, 1, 1)
+    with pytest.raises(ValueError, match="sequence_index 3 outside"):
+        dataclasses.replace(t, sequence_index=3)
+
+
 def test_newer_format_or_schema_is_refused() -> None:
     import msgpack
 

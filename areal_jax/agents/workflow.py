@@ -7,7 +7,8 @@ One task item gives a group of `n_samples` episodes run concurrently. An episode
 the proxy recorded for it (the exact ids, behaviour log-probs and versions of every turn); its reward is the
 agent's return value, or, when that is None, `reward.kind`'s function of the last turn's text. An episode
 recorded as several sequences (the template rule 'split', branches) trains the sequence that ended last
-under `agent.extra_sequences: train_last` (the others are counted in its metadata) or fails under 'fail'.
+under `agent.extra_sequences: train_last` (the others are counted in its metadata), every sequence under 'all'
+(the episode's reward on each, one advantage per episode: `Trajectory.num_sequences`), or fails under 'fail'.
 An agent that raises, times out or makes no request fails its group, which counts against
 `rollout.failures`; its requests still generating are aborted, and other groups go on.
 """
@@ -92,6 +93,8 @@ class AgentWorkflow(RolloutWorkflow):
     def resampled(self, config: WorkflowConfig) -> AgentWorkflow:
         """A copy running `config` (the held-out evaluation's) on this workflow's proxy: its episodes' turns
         start from its own sampling (`AgentProxy.run_episode`)."""
+        if config.agent.extra_sequences == "all":  # an evaluation scores each episode once
+            config = config.replace(agent=config.agent.replace(extra_sequences="train_last"))
         copy = AgentWorkflow(config, self.tokenizer, self.reward_fn, self.executor)
         copy._source = self
         return copy
@@ -134,13 +137,14 @@ class AgentWorkflow(RolloutWorkflow):
             asyncio.ensure_future(self._episode(proxy, task, group_id, i)) for i in range(self.config.n_samples)
         ]
         try:
-            return list(await asyncio.gather(*episodes))
+            return [t for episode in await asyncio.gather(*episodes) for t in episode]
         finally:
             for episode in episodes:
                 episode.cancel()
             await asyncio.gather(*episodes, return_exceptions=True)
 
-    async def _episode(self, proxy: AgentProxy, task: TaskItem, group_id: int, index: int) -> Trajectory:
+    async def _episode(self, proxy: AgentProxy, task: TaskItem, group_id: int, index: int) -> list[Trajectory]:
+        """The episode's trajectories: its last sequence's, or (`extra_sequences: all`) one per sequence."""
         start = time.perf_counter()
         where = f"prompt {task.id!r} sample {index}"
         timeout = self.config.agent.episode_timeout_s
@@ -158,32 +162,40 @@ class AgentWorkflow(RolloutWorkflow):
         agent_s = time.perf_counter() - start
         if not sequences:
             raise ValueError(f"{where}: the agent returned {value!r} without asking the model anything")
-        if len(sequences) > 1 and self.config.agent.extra_sequences == "fail":
+        extra = self.config.agent.extra_sequences
+        if len(sequences) > 1 and extra == "fail":
             raise ValueError(
                 f"{where}: the episode was recorded as {len(sequences)} sequences (rollout.workflow.agent."
                 "extra_sequences='fail')"
             )
-        seq = sequences[-1]
-        raw, components, reward_s = await self._reward(value, seq, task, where)
-        reward, train, meta = self._outcome(seq.finish_reason, raw)
-        dropped = sequences[:-1]
-        return seq.trajectory(
-            reward,
-            train,
-            prompt_id=task.id,
-            group_id=group_id,
-            sample_index=index,
-            reward_components=components,
-            timings={"agent": agent_s, "reward": reward_s, "total": time.perf_counter() - start},
-            metadata={
-                **meta,
-                "num_interruptions": seq.interruptions,
-                "num_turns": seq.turns,
-                "template_divergences": seq.divergences,
-                "sequences": len(sequences),
-                "untrained_sequence_tokens": sum(len(s.ids) for s in dropped),
-            },
-        )
+        last = sequences[-1]
+        raw, components, reward_s = await self._reward(value, last, task, where)
+        reward, train, meta = self._outcome(last.finish_reason, raw)  # the episode's end decides for all
+        trained = sequences if extra == "all" else [last]
+        timings = {"agent": agent_s, "reward": reward_s, "total": time.perf_counter() - start}
+        untrained = sum(len(s.ids) for s in sequences) - sum(len(s.ids) for s in trained)
+        return [
+            seq.trajectory(
+                reward,
+                train,
+                prompt_id=task.id,
+                group_id=group_id,
+                sample_index=index,
+                sequence_index=k,
+                num_sequences=len(trained),
+                reward_components=components,
+                timings=timings,
+                metadata={
+                    **meta,
+                    "num_interruptions": seq.interruptions,
+                    "num_turns": seq.turns,
+                    "template_divergences": seq.divergences,
+                    "sequences": len(sequences),
+                    "untrained_sequence_tokens": untrained,
+                },
+            )
+            for k, seq in enumerate(trained)
+        ]
 
     async def _reward(
         self, value: Any, seq: TokenSequence, task: TaskItem, where: str

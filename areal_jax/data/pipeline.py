@@ -5,9 +5,11 @@
       -> staleness filter  staleness = trainer version (from a callable) - oldest token version; samples
                           above the bound are dropped and counted (kept/dropped histograms in the state)
       -> group assembly    a prompt's `group_size` samples, in any arrival order, are emitted together
-                          (sorted by sample index) once all have arrived; a group that lost samples to
-                          the filter is emitted only if at least `min_group_size` are left; a group
-                          logged but kept out of training (`Trajectory.trains`) is skipped and counted
+                          (sorted by sample and sequence index) once all have arrived (an agent episode
+                          trained as several sequences: all `num_sequences` of it); a group that lost
+                          samples to the filter is emitted only if at least `min_group_size` samples keep
+                          a sequence; a group logged but kept out of training (`Trajectory.trains`) is
+                          skipped and counted
       -> batch             `groups_per_batch` groups as one flat list of trajectories (groups contiguous),
                           what one `Trainer.step` trains on
 
@@ -165,17 +167,43 @@ class _StalenessFilterIterator(grain.DatasetIterator):
 # -- group assembly ----------------------------------------------------------------------------
 
 
+Part = tuple[int, int]  # (sample index, sequence index) of one trajectory of a group
+
+
 @dataclasses.dataclass
 class _OpenGroup:
     entries: list[LogEntry] = dataclasses.field(default_factory=list)
-    dropped: list[int] = dataclasses.field(default_factory=list)
+    dropped: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (sample, sequence, of)
 
-    def seen(self) -> set[int]:
-        return {e.trajectory.sample_index for e in self.entries} | set(self.dropped)
+    def seen(self) -> set[Part]:
+        return {(e.trajectory.sample_index, e.trajectory.sequence_index) for e in self.entries} | {
+            (sample, sequence) for sample, sequence, _ in self.dropped
+        }
+
+    def expected(self) -> dict[int, int]:
+        """Each seen sample's number of sequences."""
+        counts = {e.trajectory.sample_index: e.trajectory.num_sequences for e in self.entries}
+        return counts | {sample: of for sample, _, of in self.dropped}
+
+    def complete(self, group_size: int) -> bool:
+        expected = self.expected()
+        return len(expected) == group_size and len(self.entries) + len(self.dropped) == sum(expected.values())
+
+    def kept_samples(self) -> int:
+        return len({e.trajectory.sample_index for e in self.entries})
+
+
+def _dropped_part(value: Any) -> tuple[int, int, int]:
+    """A saved dropped part: [sample, sequence, of], or a sample index alone (states before sequences)."""
+    if isinstance(value, int):
+        return value, 0, 1
+    sample, sequence, of = value
+    return int(sample), int(sequence), int(of)
 
 
 class GroupDataset(grain.IterDataset):
-    """Whole groups (a list of trajectories sorted by sample index) out of checked entries in any order.
+    """Whole groups (a list of trajectories sorted by sample and sequence index) out of checked entries in any
+    order.
 
     `fetch` reads log positions back; `set_state` uses it to rebuild incomplete groups.
     """
@@ -219,27 +247,34 @@ class _GroupIterator(grain.DatasetIterator):
             if group is None:
                 group = self._open[key] = _OpenGroup()
                 self._evict_if_full()
-            if trajectory.sample_index in group.seen():
+            part = (trajectory.sample_index, trajectory.sequence_index)
+            if part in group.seen():
                 self._counts["duplicates"] += 1
                 logger.warning(
-                    "ignoring a duplicate of sample %d of group %s at %s",
-                    trajectory.sample_index,
+                    "ignoring a duplicate of sample %d (sequence %d) of group %s at %s",
+                    *part,
                     key,
                     checked.entry.position,
                 )
                 continue
+            if group.expected().get(trajectory.sample_index, trajectory.num_sequences) != trajectory.num_sequences:
+                raise ValueError(
+                    f"trajectory {trajectory.prompt_id}/{trajectory.group_id} at {checked.entry.position}: sample "
+                    f"{trajectory.sample_index} has num_sequences {trajectory.num_sequences}, its other sequences "
+                    f"{group.expected()[trajectory.sample_index]}"
+                )
             if checked.kept:
                 group.entries.append(checked.entry)
             else:
-                group.dropped.append(trajectory.sample_index)
-            if len(group.entries) + len(group.dropped) < self._ds.group_size:
+                group.dropped.append((*part, trajectory.num_sequences))
+            if not group.complete(self._ds.group_size):
                 continue
             del self._open[key]
             if not all(e.trajectory.trains for e in group.entries):  # logged, kept out of training
                 self._counts["untrained_groups"] += 1
-            elif len(group.entries) >= self._ds.min_group_size:
+            elif group.kept_samples() >= self._ds.min_group_size:
                 self._counts["emitted"] += 1
-                return sorted((e.trajectory for e in group.entries), key=lambda t: t.sample_index)
+                return sorted((e.trajectory for e in group.entries), key=lambda t: (t.sample_index, t.sequence_index))
             else:
                 self._counts["dropped_groups"] += 1
 
@@ -250,7 +285,7 @@ class _GroupIterator(grain.DatasetIterator):
             logger.warning(
                 "dropping incomplete group %s (%d of %d samples seen): more than %d groups are open",
                 key,
-                len(group.entries) + len(group.dropped),
+                len(group.expected()),
                 self._ds.group_size,
                 self._ds.max_pending_groups,
             )
@@ -259,7 +294,7 @@ class _GroupIterator(grain.DatasetIterator):
         return {
             "parent": self._parent.get_state(),
             "open_groups": [
-                [prompt_id, group_id, [list(e.position) for e in group.entries], list(group.dropped)]
+                [prompt_id, group_id, [list(e.position) for e in group.entries], [list(d) for d in group.dropped]]
                 for (prompt_id, group_id), group in self._open.items()
             ],
             **self._counts,
@@ -273,7 +308,7 @@ class _GroupIterator(grain.DatasetIterator):
         self._open = collections.OrderedDict()
         for prompt_id, group_id, entries, dropped in state["open_groups"]:
             self._open[(str(prompt_id), int(group_id))] = _OpenGroup(
-                entries=[next(fetched) for _ in entries], dropped=[int(i) for i in dropped]
+                entries=[next(fetched) for _ in entries], dropped=[_dropped_part(d) for d in dropped]
             )
 
 

@@ -5,6 +5,7 @@ Format version 1: one msgpack map per record
    "schema_version": int (Trajectory.schema_version),
    "token_ids" | "behav_logprobs" | "versions" | "loss_mask": {"dtype": "<i4", "shape": [T], "data": bytes},
    "prompt_length": int, "reward": float, "prompt_id": str, "group_id": int, "sample_index": int,
+   "sequence_index": int, "num_sequences": int (schema 2; a schema-1 record is sequence 0 of 1),
    "reward_components": {str: float}, "timings": {str: float}, "metadata": {str: msgpack value}}
 Arrays are stored little-endian with their dtype. A reader refuses a newer format or schema version.
 """
@@ -59,6 +60,8 @@ def encode_record(trajectory: Trajectory, writer_id: str, seq: int, appended_at:
         "prompt_id": trajectory.prompt_id,
         "group_id": int(trajectory.group_id),
         "sample_index": int(trajectory.sample_index),
+        "sequence_index": int(trajectory.sequence_index),
+        "num_sequences": int(trajectory.num_sequences),
         "reward_components": {k: float(v) for k, v in trajectory.reward_components.items()},
         "timings": {k: float(v) for k, v in trajectory.timings.items()},
         "metadata": dict(trajectory.metadata),
@@ -89,6 +92,8 @@ def decode_record(data: bytes) -> tuple[str, int, float, Trajectory]:
         prompt_id=record["prompt_id"],
         group_id=record["group_id"],
         sample_index=record["sample_index"],
+        sequence_index=record.get("sequence_index", 0),
+        num_sequences=record.get("num_sequences", 1),
         reward_components=record["reward_components"],
         timings=record["timings"],
         metadata=record["metadata"],

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: sequence_index and num_sequences (1 reads as one sequence per sample)
 # metadata key of a sample the rollout side logged but kept out of training, with the reason as its value
 # (`rollout.dynamic_sampling`: its group's rewards were all equal); the pipeline skips such groups
 NOT_TRAINED = "not_trained"
@@ -32,6 +32,10 @@ class Trajectory:
     prompt_id: str
     group_id: int  # samples of the same prompt (and admission) share it
     sample_index: int  # 0..n-1 within the group
+    # an agent episode recorded as several sequences, each trained (`agent.extra_sequences: all`): this one's index
+    # among its sample's `num_sequences`; the group is whole once every sample's sequences are in
+    sequence_index: int = 0
+    num_sequences: int = 1
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -45,6 +49,11 @@ class Trajectory:
                     f"trajectory {self.prompt_id}/{self.sample_index}: {name} has length "
                     f"{len(getattr(self, name))}, token_ids has {n}"
                 )
+        if not 0 <= self.sequence_index < self.num_sequences:
+            raise ValueError(
+                f"trajectory {self.prompt_id}/{self.sample_index}: sequence_index {self.sequence_index} outside "
+                f"[0, num_sequences={self.num_sequences})"
+            )
         if not 0 < self.prompt_length <= n:
             raise ValueError(
                 f"trajectory {self.prompt_id}/{self.sample_index}: prompt_length {self.prompt_length} outside (0, {n}]"

@@ -7,7 +7,9 @@ Per sequence i in group g(i), over the valid sequences only:
                r_i itself when i is alone), or 0 (level none)
   std_i = population std (ddof 0) of r over i's std level, or (level none) no division
   A_i = (r_i - baseline_i) / (std_i + eps)
-Every token of sequence i gets A_i.
+Every token of sequence i gets A_i. With `weight_N` (an agent episode trained as k sequences, each of weight
+1/k, all with the episode's reward) the means, counts and stds are over episodes, not sequences: each episode
+counts once, and every sequence of it gets the episode's advantage.
 DAPO's overlong shaping (`overlong_penalty`, host-side) is added to reward_i before all of this.
 """
 
@@ -52,11 +54,13 @@ def sequence_advantages(
     config: AdvantageConfig,
     num_groups: int,
     valid_N: jax.Array | None = None,
+    weight_N: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Per-sequence advantages from outcome rewards (see the module docstring) and their statistics.
 
     `group_id_N` holds ids in [0, num_groups); groups may differ in size. `valid_N` marks real sequences
-    (padding entries neither enter any mean or std nor get an advantage other than 0).
+    (padding entries neither enter any mean or std nor get an advantage other than 0). `weight_N`: each
+    sequence's share of its episode (1 / its episode's sequences; the shares of an episode sum to 1).
     """
     if reward_N.ndim != 1 or group_id_N.shape != reward_N.shape:
         raise ValueError(f"reward_N {reward_N.shape} and group_id_N {group_id_N.shape} must be equal 1-d shapes")
@@ -65,19 +69,20 @@ def sequence_advantages(
     dtype = jnp.promote_types(reward_N.dtype, jnp.float32)
     valid_N = jnp.ones(reward_N.shape, bool) if valid_N is None else valid_N.astype(bool)
     ones_N = valid_N.astype(dtype)
+    share_N = ones_N if weight_N is None else ones_N * weight_N.astype(dtype)
     r_N = jnp.where(valid_N, shape_rewards(reward_N.astype(dtype), config), 0.0)
 
     def level_mean(level: NormLevel) -> tuple[jax.Array, jax.Array]:
-        total_N = _level_sum(r_N, level, group_id_N, num_groups)
-        count_N = _level_sum(ones_N, level, group_id_N, num_groups)
+        total_N = _level_sum(share_N * r_N, level, group_id_N, num_groups)
+        count_N = _level_sum(share_N, level, group_id_N, num_groups)  # episodes
         return total_N, count_N
 
     if config.mean_level == "none":
         baseline_N = jnp.zeros_like(r_N)
     else:
         total_N, count_N = level_mean(config.mean_level)
-        if config.leave_one_out:
-            baseline_N = jnp.where(count_N > 1, safe_div(total_N - r_N, count_N - 1), r_N)
+        if config.leave_one_out:  # the others: all but this sequence's episode (its shares sum to 1)
+            baseline_N = jnp.where(count_N > 1 + 1e-6, safe_div(total_N - r_N, count_N - 1), r_N)
         else:
             baseline_N = safe_div(total_N, count_N)
     centred_N = r_N - baseline_N
@@ -87,7 +92,7 @@ def sequence_advantages(
     else:
         total_N, count_N = level_mean(config.std_level)
         dev_N = jnp.where(valid_N, r_N - safe_div(total_N, count_N), 0.0)
-        var_N = safe_div(_level_sum(jnp.square(dev_N), config.std_level, group_id_N, num_groups), count_N)
+        var_N = safe_div(_level_sum(share_N * jnp.square(dev_N), config.std_level, group_id_N, num_groups), count_N)
         positive_N = var_N > 0
         std_N = jnp.where(positive_N, jnp.sqrt(jnp.where(positive_N, var_N, 1.0)), 0.0)
         adv_N = centred_N / (std_N + config.std_eps)

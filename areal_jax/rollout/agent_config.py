@@ -34,11 +34,12 @@ class AgentConfig(Config):
         "sequence, what the model saw); 'split' the next prompt is the template's own rendering, starting a new "
         "sequence (the earlier one is kept as its own)",
     )
-    extra_sequences: Literal["train_last", "fail"] = option(
+    extra_sequences: Literal["train_last", "all", "fail"] = option(
         "train_last",
         doc="an episode recorded as several sequences (split rule, branches): 'train_last' trains the sequence "
-        "that ended last and counts the others in metadata (the trainer takes one sequence per sample); 'fail' "
-        "fails the episode",
+        "that ended last and counts the others in metadata; 'all' trains every sequence, each with the episode's "
+        "reward, the group's advantages taken over episodes (an episode counts once whatever its sequences); "
+        "'fail' fails the episode",
     )
     tool_format: ToolFormat = option(
         "auto",

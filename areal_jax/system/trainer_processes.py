@@ -50,7 +50,7 @@ def batch_digest(batch: Sequence[Trajectory]) -> int:
     for t in batch:
         for array in (t.token_ids, t.behav_logprobs, t.versions, t.loss_mask):
             crc = zlib.crc32(np.ascontiguousarray(array).tobytes(), crc)
-        head = np.asarray([t.group_id, t.sample_index, t.prompt_length], np.int64).tobytes()
+        head = np.asarray([t.group_id, t.sample_index, t.sequence_index, t.prompt_length], np.int64).tobytes()
         crc = zlib.crc32(head + np.float64(t.reward).tobytes() + t.prompt_id.encode(), crc)
     return crc
 

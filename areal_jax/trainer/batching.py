@@ -69,9 +69,10 @@ def _host_device() -> jax.Device:
 
 
 def advantages_of(
-    rewards_N: np.ndarray, group_ids_N: np.ndarray, config: AdvantageConfig
+    rewards_N: np.ndarray, group_ids_N: np.ndarray, config: AdvantageConfig, shares_N: np.ndarray | None = None
 ) -> tuple[np.ndarray, dict[str, float]]:
-    """Per-sequence advantages (`sequence_advantages`) for arbitrary integer group ids, and their statistics.
+    """Per-sequence advantages (`sequence_advantages`) for arbitrary integer group ids, and their statistics;
+    `shares_N`: each sequence's share of its episode (1 / `Trajectory.num_sequences`), default 1.
 
     Computed on the host CPU device (no accelerator round trip for a few hundred floats). The sequence count
     is padded to a power of two (padding marked invalid) so few shapes get compiled.
@@ -84,16 +85,24 @@ def advantages_of(
     group_P = np.zeros(padded, np.int32)
     group_P[:n] = group_index_N
     valid_P = np.arange(padded) < n
+    share_P = np.ones(padded, np.float32)
+    if shares_N is not None:
+        share_P[:n] = shares_N
     with jax.default_device(_host_device()):
-        adv_P, stats = jax.device_get(_sequence_advantages(reward_P, group_P, valid_P, config, padded))
+        adv_P, stats = jax.device_get(_sequence_advantages(reward_P, group_P, valid_P, share_P, config, padded))
     return np.asarray(adv_P)[:n], {key: float(value) for key, value in stats.items()}
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
+@functools.partial(jax.jit, static_argnums=(4, 5))
 def _sequence_advantages(
-    reward_N: jax.Array, group_id_N: jax.Array, valid_N: jax.Array, config: AdvantageConfig, num_groups: int
+    reward_N: jax.Array,
+    group_id_N: jax.Array,
+    valid_N: jax.Array,
+    share_N: jax.Array,
+    config: AdvantageConfig,
+    num_groups: int,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    return sequence_advantages(reward_N, group_id_N, config, num_groups, valid_N)
+    return sequence_advantages(reward_N, group_id_N, config, num_groups, valid_N, share_N)
 
 
 def split_minibatches(lengths_N: np.ndarray, count: int) -> list[np.ndarray]:
@@ -185,7 +194,8 @@ def build_batch(
             "adv/overlong_penalty_mean": float(penalty_N.mean()),
         }
     group_ids_N = np.asarray([t.group_id for t in trajectories], np.int64)
-    adv_N, adv_stats = advantages_of(rewards_N, group_ids_N, config.advantage)
+    shares_N = np.asarray([1.0 / t.num_sequences for t in trajectories], np.float32)
+    adv_N, adv_stats = advantages_of(rewards_N, group_ids_N, config.advantage, shares_N)
     lengths_N = np.asarray([t.length - 1 for t in trajectories], np.int64)
 
     members_P = split_minibatches(lengths_N, config.ppo_minibatches)
