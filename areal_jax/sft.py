@@ -147,9 +147,11 @@ def train_warm_start(model: Decoder, config: WarmStartConfig, examples: Examples
 def settings(cfg: Any) -> dict[str, Any]:
     """What a warm start depends on: a cached one is reused only when these are the same."""
     full = to_dict(cfg)
+    # The warm start fits the model without adapters (LoRA RL adapts it), so `model.lora` does not change it.
+    model = {key: value for key, value in full["model"].items() if key != "lora"}
     return {
         "warm_start": full["warm_start"],
-        "model": full["model"],
+        "model": model,
         "seed": full["seed"],
         "tokenizer": full["tokenizer"],
         "dataset": full["dataset"],

@@ -16,6 +16,7 @@ from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.jobs.starting_policy import load_policy
+from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import CharTokenizer
@@ -148,6 +149,26 @@ def test_warm_start_is_cached_in_the_run_directory_and_reused(tmp_path, caplog, 
     assert "trained with other settings" in caplog.text
     assert json.loads(summary_file.read_text())["steps"] == 31
     assert jax.tree.leaves(model)  # loaded onto the default device
+
+
+def test_lora_rl_reuses_the_warm_start_as_its_frozen_base(tmp_path, caplog):
+    """`model.lora` does not change the warm start (it is fitted without adapters), so a LoRA run reuses the
+    cached one and its base weights are the warm start's."""
+    caplog.set_level(logging.INFO)
+    overrides = [*SMALL_RUN, f"output_dir={tmp_path}"]
+    assert main(["sft", "configs/chain_sums_cpu.yaml", *overrides]) == 0
+    summary_file = load_experiment("configs/chain_sums_cpu.yaml", overrides).run_dir / WARM_START_DIR / SUMMARY_FILE
+    written = summary_file.stat().st_mtime_ns
+    cfg = load_experiment("configs/chain_sums_cpu.yaml", [*overrides, "model.lora.rank=4", "model.lora.alpha=8"])
+    tokenizer = build_tokenizer(cfg)
+    caplog.clear()
+    model = load_policy(cfg, None, tokenizer)
+    assert "using the cached" in caplog.text and summary_file.stat().st_mtime_ns == written
+    assert model.config.lora is not None and model.config.lora.rank == 4
+    warm = load_policy(cfg.replace(model=cfg.model.replace(lora=None)), None, tokenizer)
+    adapters, base = lora.split_trainable(model.config, nnx.state(model, nnx.Param))
+    assert jax.tree.leaves(adapters)
+    jax.tree.map(np.testing.assert_array_equal, base, nnx.state(warm, nnx.Param))
 
 
 def test_sft_command_refuses_a_config_without_a_warm_start(capsys):
