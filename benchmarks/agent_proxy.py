@@ -10,6 +10,11 @@ rendering per turn, the session records) and, with `--transport http`, HTTP over
 the interpreter's GIL switch interval (`agent.switch_interval_s`) when it starts, before the timed runs of
 either mode, so both run under the same interval (printed).
 
+A third mode, `raw`, runs the same agent without the `openai` client: it posts each turn's JSON body straight
+to the proxy's handler (`AgentProxy.answer`, what both transports call) and reads the JSON answer, so
+`ratio raw_vs_builtin` is the proxy's own cost (request parsing, the chat template, the session records, the
+answer) and the gap between it and the headline is the `openai` client's.
+
 `{mode}_cpu_seconds` is the process's CPU time over the run (all threads, XLA's included).
 
 Prints `name: value unit` lines; the last is `ratio proxy_vs_builtin: X.XX` (generated tokens/s).
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import sys
 import time
 from typing import Any
@@ -28,6 +34,7 @@ import jax
 from common import MODEL_100M, QWEN2_3M
 from flax import nnx
 
+from areal_jax.agents.server import AgentProxy, Route
 from areal_jax.agents.workflow import AgentWorkflow
 from areal_jax.data.datasets import PromptRecord
 from areal_jax.inference.engine import Engine, EngineConfig
@@ -60,6 +67,24 @@ async def fixed_reply_agent(client: Any, task: Any) -> float:
         if response.choices[0].finish_reason == "length":
             break
         messages.append({"role": "assistant", "content": response.choices[0].message.content})
+        messages.append({"role": "user", "content": REPLY})
+    return 0.0
+
+
+PROXY: AgentProxy | None = None  # the proxy the raw agent posts to (set by main)
+
+
+async def raw_reply_agent(client: Any, task: Any) -> float:
+    """`fixed_reply_agent` without the `openai` client: the same requests as JSON bodies to the proxy's handler."""
+    assert PROXY is not None
+    route = Route("chat", str(client.base_url).rstrip("/").split("/sessions/")[1].split("/")[0])
+    messages = [{"role": "user", "content": task.prompt}]
+    for _ in range(TURNS):
+        answer = await PROXY.answer(route, json.dumps({"model": "policy", "messages": messages}).encode())
+        choice = json.loads(answer.body)["choices"][0]
+        if choice["finish_reason"] == "length":
+            break
+        messages.append({"role": "assistant", "content": choice["message"]["content"]})
         messages.append({"role": "user", "content": REPLY})
     return 0.0
 
@@ -111,12 +136,17 @@ def main() -> None:
     agent = config.replace(
         kind="agent", agent=AgentConfig(function="agent_proxy:fixed_reply_agent", transport=args.transport)
     )
+    raw = agent.replace(agent=agent.agent.replace(function="agent_proxy:raw_reply_agent"))
+    no_reward = lambda text, task: (0.0, {})  # noqa: E731
+    global PROXY
     with (
         Generator(engine, engine.load_params(nnx.state(model), 0), detokenize=tokenizer.decode) as generator,
         MultiTurnWorkflow(config, tokenizer, FixedReply()) as builtin,
-        AgentWorkflow(agent, tokenizer, lambda text, task: (0.0, {})) as proxy,
+        AgentWorkflow(agent, tokenizer, no_reward) as proxy,
     ):
-        modes = {"builtin": builtin, "proxy": proxy}
+        PROXY = proxy.proxy_for(generator)
+        raw_proxy = proxy.resampled(raw)  # the raw agent's episodes, on the same proxy
+        modes = {"builtin": builtin, "raw": raw_proxy, "proxy": proxy}
         for workflow in modes.values():
             run_groups(workflow, generator, groups)  # compiles, starts the proxy
         best: dict[str, tuple[float, int, int, int, int, float]] = {}
@@ -133,9 +163,14 @@ def main() -> None:
         print(f"{name}_turns: {turns} turns")
         print(f"{name}_prefill_calls: {prefill_calls} calls")
         print(f"{name}_decode_steps: {decode_steps} steps")
-    ratio = (best["proxy"][1] / best["proxy"][0]) / (best["builtin"][1] / best["builtin"][0])
-    print(f"ratio proxy_vs_builtin: {ratio:.2f}")
+
+    def throughput(name: str) -> float:
+        return best[name][1] / best[name][0]
+
+    print(f"ratio raw_vs_builtin: {throughput('raw') / throughput('builtin'):.2f}")
+    print(f"ratio proxy_vs_builtin: {throughput('proxy') / throughput('builtin'):.2f}")
 
 
 if __name__ == "__main__":
+    sys.modules["agent_proxy"] = sys.modules["__main__"]  # the agents named "agent_proxy:..." are these, PROXY too
     main()
