@@ -82,6 +82,23 @@ def _wait_for(lines: queue.Queue[str | None], text: str, timeout_s: float) -> li
     return seen
 
 
+def _two_process_rollout_server(run: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+    """`areal-jax rollout --server 0` of run `run` (config file, overrides) as 2 processes of 2 CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *run, f"output_dir={tmp_path}"]
+    command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
+    command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
+    return _start_two(lambda i: [*command, f"distributed.process_id={i}"], env)
+
+
+def _wait_for_servers(servers: list[subprocess.Popen], predicate: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert all(s.poll() is None for s in servers), "a server process ended early"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
 def test_engine_over_two_processes_matches_one_process_and_stops_on_a_lost_process(tmp_path: Path) -> None:
     store = tmp_path / "weights"
     publisher = OrbaxWeightPublisher(store, async_save=False)
@@ -142,22 +159,14 @@ def test_rollout_server_over_two_processes_serves_reloads_and_stops_together(tmp
     publisher.publish(nnx.state(random_policy(cfg, None, tokenizer)), 0)
     control.trainer_ready(0)  # the trainer stand-in: versions into the store, the control files
 
-    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *SERVER_RUN, f"output_dir={tmp_path}"]
-    command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
-    command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
-    servers = _start_two(lambda i: [*command, f"distributed.process_id={i}"], env)
+    servers = _two_process_rollout_server(SERVER_RUN, tmp_path)
     log = cfg.run_dir / "rollout_log"
 
     def written() -> int:
         return sum(shard.num_records for shard in list_shards(log)) if log.is_dir() else 0
 
     def wait_until(predicate, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            assert all(s.poll() is None for s in servers), "a server process ended early"
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.1)
+        _wait_for_servers(servers, predicate, timeout_s)
 
     wait_until(lambda: written() >= 8 * 2, 240)  # the bound at v0: (1 + 0 + 1) x 4 groups of 2
     publisher.publish(nnx.state(random_policy(cfg.replace(seed=1), None, tokenizer)), 1)
@@ -198,22 +207,14 @@ def test_a_lora_rollout_server_over_two_processes_serves_adapter_versions_over_t
     publisher.publish(adapters[0], 0)
     control.trainer_ready(0)
 
-    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "areal_jax.cli", "rollout", "--server", "0", *run, f"output_dir={tmp_path}"]
-    command += ["name=run", "distributed.enabled=true", "distributed.num_processes=2"]
-    command += [f"distributed.coordinator_address=127.0.0.1:{_free_port()}"]
-    servers = _start_two(lambda i: [*command, f"distributed.process_id={i}"], env)
+    servers = _two_process_rollout_server(run, tmp_path)
     log = cfg.run_dir / "rollout_log"
 
     def written() -> int:
         return sum(shard.num_records for shard in list_shards(log)) if log.is_dir() else 0
 
     def wait_until(predicate, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            assert all(s.poll() is None for s in servers), "a server process ended early"
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.1)
+        _wait_for_servers(servers, predicate, timeout_s)
 
     wait_until(lambda: written() >= 8 * 2, 240)
     publisher.publish(adapters[1], 1)
