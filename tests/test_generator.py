@@ -85,6 +85,48 @@ def test_prefill_ahead_batches_queued_prompts_without_changing_results(models):
     assert together == alone
 
 
+def test_requests_for_a_queued_prompt_share_its_prefill_without_changing_results(models):
+    """Requests whose prompt is already queued (an agent group's episodes all open with the task's prompt) join
+    that prompt's prefill: one prefill serves them all, each sample keeps its own seed and so its own tokens,
+    and aborting one of them leaves the others whole."""
+    model = models[0]
+    shared, other = [4, 8, 15, 16, 23], [42, 7, 7, 1]
+    requests = [  # (prompt, sampling, n)
+        (shared, SamplingParams(temperature=TEMPERATURE, max_new_tokens=6, seed=1), 2),
+        (other, SamplingParams(temperature=TEMPERATURE, max_new_tokens=5, seed=2), 1),
+        (shared, SamplingParams(temperature=TEMPERATURE, max_new_tokens=9, seed=3), 1),
+        (shared, SamplingParams(temperature=0.0, max_new_tokens=4), 1),
+    ]
+    config = EngineConfig(max_slots=8, max_length=64)
+    params = Engine(model, config).load_params(nnx.state(model), 0)
+    with Generator(Engine(model, config), params) as gen:
+        alone = [gen.submit(p, s, n).result(timeout=120) for p, s, n in requests]
+    with Generator(Engine(model, config), params) as gen:
+        with all_at_once(gen):
+            futures = [gen.submit(p, s, n) for p, s, n in requests]
+        together = [f.result(timeout=120) for f in futures]
+        assert gen.stats.shared_prefills == 2 and gen.stats.prefills == 2  # one per distinct prompt
+    for results, reference in zip(together, alone, strict=True):
+        assert [r.output_ids for r in results] == [r.output_ids for r in reference]
+        for result, expected in zip(results, reference, strict=True):
+            np.testing.assert_allclose(result.output_logprobs, expected.output_logprobs, atol=1e-5)
+    assert together[2][0].output_ids != together[0][0].output_ids  # own seeds: not one sample copied
+
+    # the slot is busy, so both requests for `shared` wait in one job; aborting one leaves the other whole
+    engine = Engine(model, EngineConfig(max_slots=1, max_length=64))
+    with Generator(engine, engine.load_params(nnx.state(model), 0)) as gen:
+        with all_at_once(gen):
+            busy = gen.submit(other, SamplingParams(temperature=0.0, max_new_tokens=20))
+            dropped = gen.submit(shared, SamplingParams(temperature=0.0, max_new_tokens=4), request_id="dropped")
+            kept = gen.submit(shared, SamplingParams(temperature=0.0, max_new_tokens=4))
+        with all_at_once(gen):
+            gen.abort("dropped")
+        assert dropped.result(timeout=60)[0].finish_reason == "abort"
+        assert kept.result(timeout=60)[0].output_ids == alone[3][0].output_ids
+        assert busy.result(timeout=60)[0].finish_reason == "length"
+        assert gen.stats.shared_prefills == 1 and gen.stats.prefills == 2
+
+
 @pytest.mark.parametrize("interrupt", [True, False])
 def test_prefixes_prefilled_ahead_are_dropped_when_weights_change(models, interrupt):
     """A prompt prefilled ahead under version 0 but admitted after version 1 arrived is prefilled again:

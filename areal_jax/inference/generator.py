@@ -16,8 +16,10 @@ The loop blocks on the inbox while it has nothing to do. Each iteration, between
      in-flight sample drops its slot (its KV cache was made with the old weights) and is queued first
      for a re-prefill of prompt + tokens generated so far; with `interrupt=False`, admission stops until
      in-flight samples finish on the old weights, then the weights are swapped;
-  4. admits queued work into free slots (a new request's n samples share one prefill; a prefill call's
-     spare rows go to prompts still queued in the same length bucket, so their admission is an insert);
+  4. admits queued work into free slots (a new request's n samples share one prefill, and so does a request
+     whose prompt is still queued for another: the episodes of an agent group, which open with the same
+     prompt each on its own request, are prefilled once; a prefill call's spare rows go to prompts still
+     queued in the same length bucket, so their admission is an insert);
   5. dispatches decode step t over all slots and starts the copy of its tokens to the host;
   6. handles step t-1's tokens while step t runs on the device (pipelined, as JetStream's generate and
      detokenize threads do, here within one thread): each token goes to the sample that held the slot
@@ -82,6 +84,7 @@ class GeneratorStats:
     interruptions: int = 0
     updates: int = 0
     busy_slot_steps: int = 0
+    shared_prefills: int = 0  # requests that joined a queued request's prefill of the same prompt
     preemptions: int = 0  # samples sent back to the queue for want of KV pages (paged cache)
     admission_waits: int = 0  # admissions stopped at a sample whose KV pages were not free (paged cache)
     pages_in_use: int = 0  # KV pages held by samples during the last decode step (paged cache)
@@ -115,6 +118,8 @@ class Generator:
         self._in_flight_lock = threading.Lock()
         # owned by the loop thread
         self._jobs: collections.deque[PrefillJob] = collections.deque()
+        # new requests' jobs by prompt, while queued: a request whose prompt is queued joins that job
+        self._queued_prompts: dict[tuple[int, ...], PrefillJob] = {}
         self._updates: collections.deque[Update] = collections.deque()
         self._aborts: set[str] = set()
         self._requests: dict[str, Request] = {}
@@ -261,7 +266,14 @@ class Generator:
             resolve(request.future, error=ValueError(f"request id {request.request_id!r} is already in flight"))
             return
         self._requests[request.request_id] = request
-        self._jobs.append(PrefillJob(request.prompt_ids, collections.deque(request.samples)))
+        queued = self._queued_prompts.get(request.prompt_ids)
+        if queued is not None and queued.samples:  # still queued: one prefill serves both requests
+            queued.samples.extend(request.samples)
+            self.stats.shared_prefills += 1
+            return
+        job = PrefillJob(request.prompt_ids, collections.deque(request.samples))
+        self._queued_prompts[request.prompt_ids] = job
+        self._jobs.append(job)
 
     def _shut_down(self, error: BaseException | None) -> None:
         """Refuse further commands and answer everyone still waiting: with `error` when the loop failed."""
@@ -304,10 +316,9 @@ class Generator:
             for sample in request.samples:
                 if sample.result is None:
                     self._finish(sample, "abort")
-            for job in list(self._jobs):
+            for job in self._jobs:
                 job.samples = collections.deque(s for s in job.samples if s.result is None)
-                if not job.samples:
-                    self._jobs.remove(job)
+            self._drop_empty_jobs()
 
     def _free_slot(self, slot: int) -> None:
         """Take the sample out of `slot` and give its KV pages back."""
@@ -385,7 +396,11 @@ class Generator:
                 sample.admitted = next(self._admissions)
                 sample.pending_version = job.prefix_version
                 self._slots[slot] = sample
+        self._drop_empty_jobs()
+
+    def _drop_empty_jobs(self) -> None:
         self._jobs = collections.deque(job for job in self._jobs if job.samples)
+        self._queued_prompts = {prompt: job for prompt, job in self._queued_prompts.items() if job.samples}
 
     def _prefill_jobs(self, jobs: list[PrefillJob], queue: Sequence[PrefillJob]) -> None:
         """Prefill `jobs` in batches of one length bucket; each job keeps (its batch, its row). A call's
