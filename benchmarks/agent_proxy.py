@@ -1,9 +1,13 @@
 """The agent proxy's overhead: the same multi-turn episodes through the OpenAI-compatible proxy (an agent on the
 real `openai` client, `rollout.workflow.kind: agent`) and through the built-in multi-turn workflow.
 
-Both run G groups of n episodes of T model turns on one generator and engine, all groups at once as the
-rollout controller keeps them; each turn samples up to `max_new_tokens` tokens and the environment (built-in)
-or the agent (proxy) answers with the same fixed user message. The proxy path adds the `openai` client's work
+Both run G groups of n episodes of T model turns on one generator and engine (the `--model` default, 12m, is
+a 12M-parameter Qwen2 shape), all groups at once as the rollout controller keeps them; each turn samples up to
+`max_new_tokens` tokens and the environment (built-in) or the agent (proxy) answers with the same fixed user
+message. Every turn is seeded by (group, sample, turn) in every mode (the agents pass `seed` per turn, read
+from their session id), so all modes generate the same tokens (`{mode}_tokens` shows it) and the ratio compares
+the same work. Each episode asks for its first turn alone in every mode; the generator prefills a group's
+shared prompt once (`GeneratorStats.shared_prefills`). The proxy path adds the `openai` client's work
 (building the request, parsing the answer: about 1 ms of CPU a turn), the proxy's (JSON, the chat template's
 rendering per turn, the session records) and, with `--transport http`, HTTP over the loopback. Each mode runs
 `--repeats` times, alternating, after one untimed pass each; the best run of each counts. The proxy shortens
@@ -31,7 +35,7 @@ import time
 from typing import Any
 
 import jax
-from common import MODEL_100M, QWEN2_3M
+from common import MODEL_100M, QWEN2_3M, QWEN2_12M
 from flax import nnx
 
 from areal_jax.agents.server import AgentProxy, Route
@@ -41,6 +45,7 @@ from areal_jax.data.datasets import PromptRecord
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.inference.seeds import mix_seed
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from areal_jax.rollout.agent_config import AgentConfig
@@ -50,6 +55,8 @@ from areal_jax.rollout.workflow import MultiTurnWorkflow, RolloutWorkflow, Workf
 REPLY = "1+1=2. (3)"
 TURNS = 3
 STOPS = "=.:"  # a turn of the random policy ends at one of these (about every 9th token) or at max_new_tokens
+SEED = 7  # the episodes' sampling seed: each turn's, (group, sample, turn) mixed in, is the same in every mode
+POLICIES = {"3m": QWEN2_3M, "12m": QWEN2_12M, "100m": MODEL_100M}
 
 
 class FixedReply:
@@ -59,12 +66,20 @@ class FixedReply:
         return EnvStep(reply=REPLY, reward=0.0, done=False)
 
 
+def turn_seed(base_url: Any, turn: int) -> int:
+    """The seed the built-in workflow gives this episode's turn: the session id is `g{group}-s{sample}-<random>`."""
+    group, sample = str(base_url).rstrip("/").split("/sessions/")[1].split("/")[0].split("-")[:2]
+    return mix_seed(SEED, int(group[1:]), int(sample[1:]), turn)
+
+
 async def fixed_reply_agent(client: Any, task: Any) -> float:
     """The same episode as an agent: up to T turns, each answered with the same user message; a turn cut at
-    max_new_tokens ends the episode, as in the built-in workflow."""
+    max_new_tokens ends the episode, as in the built-in workflow. Each turn asks for the built-in workflow's
+    seed, so both sample the same tokens."""
     messages = [{"role": "user", "content": task.prompt}]
-    for _ in range(TURNS):
-        response = await client.chat.completions.create(model="policy", messages=messages)
+    for turn in range(1, TURNS + 1):
+        seed = turn_seed(client.base_url, turn)
+        response = await client.chat.completions.create(model="policy", messages=messages, seed=seed)
         if response.choices[0].finish_reason == "length":
             break
         messages.append({"role": "assistant", "content": response.choices[0].message.content})
@@ -80,8 +95,9 @@ async def raw_reply_agent(client: Any, task: Any) -> float:
     assert PROXY is not None
     route = Route("chat", str(client.base_url).rstrip("/").split("/sessions/")[1].split("/")[0])
     messages = [{"role": "user", "content": task.prompt}]
-    for _ in range(TURNS):
-        answer = await PROXY.answer(route, json.dumps({"model": "policy", "messages": messages}).encode())
+    for turn in range(1, TURNS + 1):
+        body = {"model": "policy", "messages": messages, "seed": turn_seed(client.base_url, turn)}
+        answer = await PROXY.answer(route, json.dumps(body).encode())
         choice = json.loads(answer.body)["choices"][0]
         if choice["finish_reason"] == "length":
             break
@@ -125,7 +141,10 @@ def main() -> None:
         help="agent.transport of the proxy's agents: in-process ('local', the default) or over the proxy's port",
     )
     parser.add_argument(
-        "--model", choices=("3m", "100m"), default="3m", help="the policy: common.QWEN2_3M or common.MODEL_100M"
+        "--model",
+        choices=tuple(POLICIES),
+        default="12m",
+        help="the policy: common.QWEN2_3M, QWEN2_12M (the default) or MODEL_100M",
     )
     args = parser.parse_args()
     enable_compilation_cache("auto")  # as the CLI's default: a second run loads the engine's programs
@@ -137,12 +156,14 @@ def main() -> None:
         (16, 4, 16, 32, 128, 64, 4) if args.quick else (64, 8, 64, 128, 512, 32, 8)
     )
     tokenizer = CharTokenizer(DEFAULT_ALPHABET)
-    policy = QWEN2_3M if args.model == "3m" else MODEL_100M
+    policy = POLICIES[args.model]
     model = Decoder(policy.replace(vocab_size=tokenizer.vocab_size), nnx.Rngs(0))
     engine = Engine(
         model, EngineConfig(max_slots=slots, max_length=length, min_prefill_bucket=bucket, max_prefill_batch=batch)
     )
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=tuple(tokenizer.encode(STOPS)))
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=tuple(tokenizer.encode(STOPS)), seed=SEED
+    )
     config = WorkflowConfig(n_samples=n, sampling=sampling, max_turns=TURNS)
     agent = config.replace(
         kind="agent", agent=AgentConfig(function="agent_proxy:fixed_reply_agent", transport=args.transport)
@@ -171,6 +192,7 @@ def main() -> None:
     print(f"gil_switch_interval: {sys.getswitchinterval() * 1e3:.2f} ms")
     for name, (seconds, tokens, turns, prefill_calls, decode_steps, cpu_seconds) in best.items():
         print(f"{name}_throughput: {tokens / seconds:.1f} tokens/s")
+        print(f"{name}_tokens: {tokens} tokens")
         print(f"{name}_seconds: {seconds:.2f} s")
         print(f"{name}_cpu_seconds: {cpu_seconds:.2f} s")
         print(f"{name}_turns: {turns} turns")

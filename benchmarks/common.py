@@ -60,6 +60,9 @@ QWEN2_3M = ModelConfig(
 )
 """The generation benchmarks' policy: a ~3M-parameter Qwen2-shaped decoder."""
 
+QWEN2_12M = QWEN2_3M.replace(hidden_size=384, num_layers=6, intermediate_size=1024, num_heads=6, num_kv_heads=1)
+"""A ~12M-parameter decoder of the same shape family: turns that cost ~4x the 3M policy's to generate."""
+
 
 def long_tailed_lengths(count: int, cap: int, seed: int, mean_log: float = 2.2) -> list[int]:
     """Output lengths with a heavy tail (4 + lognormal(mean_log, 1)): most short, a few near `cap`."""

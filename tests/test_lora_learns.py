@@ -1,8 +1,11 @@
 """A LoRA run of the main job (configs/train_cpu.yaml, adapters of rank 16 on every projection, the random base
-frozen) learns: its greedy held-out accuracy (200 prompts) rises from 0.0 before training to 0.17 after 30 steps
-(seed 0, lr 3e-3, alpha 32; with held-out evaluations every 10 steps, which change the rollouts' interleaving: 0.11
-after 20, 30 and 40; seed 1: 0.17 after 30; docs/lora.md); the final export is a PEFT adapter over the exported
-base, which loads back."""
+frozen) learns what its reward teaches first: to stop inside the length limit (rollout.workflow.truncation
+'penalize'). Its greedy held-out answers (200 prompts) all hit the 4-token limit before training and none do
+after 30 steps. Greedy pass@1 after 30 steps is not asserted: it is bimodal between runs of the same seed (0.0 or
+0.03 in 5 of 12 runs, 0.125-0.195 in the others, session 17), because the async interleaving differs and the barely
+trained model answers most prompts with one digit; the sampled correct fraction barely moves in 100 steps
+(0.005 -> 0.009; full fine-tuning 0.008 -> 0.089 in 50; docs/lora.md). The final export is a PEFT adapter over the
+exported base, which loads back."""
 
 import json
 
@@ -19,9 +22,8 @@ LORA = [
 ]
 
 
-def _heldout_pass_at_1(cfg, version: int) -> float:
-    report = json.loads((cfg.layout.eval_dir / f"step-{version}" / "eval.json").read_text())
-    return float(report["overall"]["pass@1"])
+def _heldout(cfg, version: int) -> dict:
+    return json.loads((cfg.layout.eval_dir / f"step-{version}" / "eval.json").read_text())["overall"]
 
 
 def test_a_lora_run_of_the_main_job_learns(tmp_path):
@@ -30,8 +32,9 @@ def test_a_lora_run_of_the_main_job_learns(tmp_path):
     cfg = load_experiment("configs/train_cpu.yaml", [*overrides, *LORA])
     summary = run_async(cfg)
     assert summary.version == steps
-    before, after = _heldout_pass_at_1(cfg, 0), _heldout_pass_at_1(cfg, steps)
-    assert after >= before + 0.08, (before, after)
+    before, after = _heldout(cfg, 0), _heldout(cfg, steps)
+    assert before["truncated_fraction"] == 1.0 and before["response_length_mean"] == 4.0, before
+    assert after["truncated_fraction"] <= 0.25 and after["response_length_mean"] <= 3.0, after
     final = summary.final_hf_checkpoint
     config = json.loads((cfg.layout.hf_final / ADAPTER_CONFIG).read_text())
     assert final == str(cfg.layout.hf_final) and config["r"] == 16

@@ -183,3 +183,36 @@ def test_checkpoints_and_weight_versions_keep_their_orbax_barriers_apart(tmp_pat
     finally:
         checkpointer.close()
         publisher.close()
+
+
+def test_latest_in_reads_a_live_run_whose_old_steps_are_being_removed(tmp_path: Path) -> None:
+    """A reader (`eval` on a live run, a resuming launcher) lists the steps while the writer deletes the oldest
+    ones (max_to_keep): a step that vanishes between the listing and its stat is not an error."""
+    import threading
+
+    directory = tmp_path / "checkpoints"
+    checkpointer = TrainCheckpointer(directory, CheckpointConfig(max_to_keep=1, async_save=False))
+    state = {"w": jnp.arange(4.0)}
+    checkpointer.save(1, state, {"policy_version": 1})
+    last = 40
+    failures: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for step in range(2, last + 1):
+                checkpointer.save(step, state, {"policy_version": step})
+        except BaseException as error:  # reported by the assertion below
+            failures.append(error)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    seen = []
+    try:
+        while writer.is_alive():
+            seen.append(TrainCheckpointer.latest_in(directory))
+    finally:
+        writer.join()
+        checkpointer.close()
+    assert not failures
+    assert seen and all(step is not None and 1 <= step <= last for step in seen) and seen == sorted(seen)
+    assert TrainCheckpointer.latest_in(directory) == last

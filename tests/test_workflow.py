@@ -268,8 +268,9 @@ class ScriptedEnv:
 
 def _rebuild(generator: RecordingGenerator, task_id: str, traj, replies: list[str]) -> list[int]:
     """The sequence from the generator's own results and the replies' template text; checks each turn's prompt."""
-    _, first = generator.results(f"{task_id}:g0")
-    sequence = [*PROMPT_IDS, *first[traj.sample_index].output_ids]
+    prompt, (first,) = generator.results(f"{task_id}:g0:s{traj.sample_index}:t1")  # each episode asks alone
+    assert list(prompt) == PROMPT_IDS
+    sequence = [*PROMPT_IDS, *first.output_ids]
     for turn, reply in enumerate(replies, start=2):
         sequence += TOKENIZER.encode(f"\nQ: {reply}\nA: ")
         prompt, (result,) = generator.results(f"{task_id}:g0:s{traj.sample_index}:t{turn}")
@@ -293,9 +294,8 @@ def test_multi_turn_is_token_in_token_out(generator, done_at, max_turns, turns, 
         assert traj.metadata["finish_reason"] == "stop" and traj.prompt_length == p
         replies = [ScriptedEnv.reply(turn) for turn in range(1, turns)]
         np.testing.assert_array_equal(traj.token_ids, _rebuild(generator, task_id, traj, replies))
-        _, first = generator.results(f"{task_id}:g0")
-        model_results = [first[traj.sample_index]] + [
-            generator.results(f"{task_id}:g0:s{traj.sample_index}:t{turn}")[1][0] for turn in range(2, turns + 1)
+        model_results = [
+            generator.results(f"{task_id}:g0:s{traj.sample_index}:t{turn}")[1][0] for turn in range(1, turns + 1)
         ]
         mask = np.zeros(traj.length, bool)
         start = p
@@ -331,8 +331,8 @@ def test_multi_turn_keeps_each_turns_policy_version(generator):
         (traj,) = asyncio.run(workflow.run(generator, _task("mt-version"), group_id=0))
     assert traj.metadata["num_turns"] == 2
     model_versions = traj.versions[traj.loss_mask]
-    _, first = generator.results("mt-version:g0")
-    turn_one = len(first[0].output_ids)
+    _, (first,) = generator.results("mt-version:g0:s0:t1")
+    turn_one = len(first.output_ids)
     assert (model_versions[:turn_one] == version).all() and (model_versions[turn_one:] == version + 1).all()
     assert traj.oldest_version() == version
 

@@ -374,23 +374,27 @@ class MultiTurnWorkflow(RolloutWorkflow):
         _check_group_id(group_id)
         start = time.perf_counter()
         prompt_ids = self.render_prompt(task)
-        sampling = _request_sampling(self.sampling, group_id)
-        first = await _generate(generator, task, prompt_ids, sampling, self.config.n_samples, f"{task.id}:g{group_id}")
-        episodes = (self._episode(generator, task, group_id, prompt_ids, result, start) for result in first)
-        return list(await asyncio.gather(*episodes))
+        # each episode asks for its own first turn (the generator prefills the shared prompt once), so an
+        # episode's second turn does not wait for the group's slowest first turn
+        episodes = [
+            asyncio.ensure_future(self._episode(generator, task, group_id, prompt_ids, index, start))
+            for index in range(self.config.n_samples)
+        ]
+        try:
+            return list(await asyncio.gather(*episodes))
+        finally:  # one episode failed: the others' requests are aborted, not left running
+            for episode in episodes:
+                episode.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
 
     async def _episode(
-        self,
-        generator: Generator,
-        task: TaskItem,
-        group_id: int,
-        prompt_ids: list[int],
-        result: GenerationResult,
-        start: float,
+        self, generator: Generator, task: TaskItem, group_id: int, prompt_ids: list[int], index: int, start: float
     ) -> Trajectory:
         cfg = self.config
-        index = result.sample_index
         engine_config = generator.engine.config
+        sampling = _request_sampling(self.sampling, group_id, index, 1)
+        request_id = f"{task.id}:g{group_id}:s{index}:t1"
+        (result,) = await _generate(generator, task, prompt_ids, sampling, 1, request_id)
         tokens = _Tokens()
         tokens.add_context(prompt_ids)
         history: list[Message] = self.first_messages(task)

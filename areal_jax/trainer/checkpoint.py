@@ -72,6 +72,7 @@ MANIFEST = "areal_manifest.json"
 # per manager keeps their barriers apart.
 BARRIER_PREFIX = "areal-train"
 _CHUNK = 8 << 20
+_LISTING_ATTEMPTS = 20  # a reader listing a live run's steps retries when a step vanishes under it
 
 
 class CheckpointError(RuntimeError):
@@ -235,13 +236,19 @@ class TrainCheckpointer:
         location = checkpoint_location(directory)
         if not epath.Path(location).exists():
             return None
-        manager = ocp.CheckpointManager(
-            location, item_names=(cls.STATE, cls.METADATA), options=ocp.CheckpointManagerOptions(read_only=True)
-        )
-        try:
-            return manager.latest_step()
-        finally:
-            manager.close()
+        options = ocp.CheckpointManagerOptions(read_only=True)
+        for attempt in range(_LISTING_ATTEMPTS):
+            try:
+                manager = ocp.CheckpointManager(location, item_names=(cls.STATE, cls.METADATA), options=options)
+            except (FileNotFoundError, NotADirectoryError):  # a live run removed an old step (max_to_keep)
+                if attempt == _LISTING_ATTEMPTS - 1:
+                    raise
+                continue
+            try:
+                return manager.latest_step()
+            finally:
+                manager.close()
+        raise AssertionError("unreachable")
 
     def maybe_save(self, step: int, state: Any, metadata: Metadata | Callable[[], Metadata]) -> bool:
         """Save when `step` is a multiple of `every_steps`; whether it did. `metadata` may be a callable,
