@@ -31,7 +31,7 @@ from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, EVAL_DIR, HF_FINAL_DIR
 from areal_jax.seeds import stream_seed
 from areal_jax.trainer.checkpoint import TrainCheckpointer
-from areal_jax.weights.base import abstract_target, checkpoint_location
+from areal_jax.weights.base import abstract_target, checkpoint_location, list_live_steps
 
 if TYPE_CHECKING:
     from areal_jax.config import ExperimentConfig
@@ -149,11 +149,7 @@ def restore_trained_params(directory: str | Path, params: nnx.State, step: int) 
     """The `params` of training checkpoint `step` in `directory` (a run's checkpoints/), placed like `params`,
     and the checkpoint's metadata; the optimizer state is not read."""
     target = {"params": abstract_target(params)}
-    manager = ocp.CheckpointManager(
-        checkpoint_location(directory),
-        item_names=(TrainCheckpointer.STATE, TrainCheckpointer.METADATA),
-        options=ocp.CheckpointManagerOptions(read_only=True),
-    )
+    manager = list_live_steps(lambda: TrainCheckpointer.reader(checkpoint_location(directory)), directory)
     try:
         restored = manager.restore(
             step,

@@ -8,7 +8,7 @@ message. Every turn is seeded by (group, sample, turn) in every mode (the agents
 from their session id), so all modes generate the same tokens (`{mode}_tokens` shows it) and the ratio compares
 the same work. Each episode asks for its first turn alone in every mode; the generator prefills a group's
 shared prompt once (`GeneratorStats.shared_prefills`). The proxy path adds the `openai` client's work
-(building the request, parsing the answer: about 1 ms of CPU a turn), the proxy's (JSON, the chat template's
+(building the request, parsing the answer: about 1.4 ms of CPU a turn), the proxy's (JSON, the chat template's
 rendering per turn, the session records) and, with `--transport http`, HTTP over the loopback. Each mode runs
 `--repeats` times, alternating, after one untimed pass each; the best run of each counts. The proxy shortens
 the interpreter's GIL switch interval (`agent.switch_interval_s`) when it starts, before the timed runs of
@@ -66,9 +66,14 @@ class FixedReply:
         return EnvStep(reply=REPLY, reward=0.0, done=False)
 
 
+def session_id(base_url: Any) -> str:
+    """The session of the episode whose client has `base_url` (`.../sessions/<id>/v1`)."""
+    return str(base_url).rstrip("/").split("/sessions/")[1].split("/")[0]
+
+
 def turn_seed(base_url: Any, turn: int) -> int:
     """The seed the built-in workflow gives this episode's turn: the session id is `g{group}-s{sample}-<random>`."""
-    group, sample = str(base_url).rstrip("/").split("/sessions/")[1].split("/")[0].split("-")[:2]
+    group, sample = session_id(base_url).split("-")[:2]
     return mix_seed(SEED, int(group[1:]), int(sample[1:]), turn)
 
 
@@ -93,7 +98,7 @@ PROXY: AgentProxy | None = None  # the proxy the raw agent posts to (set by main
 async def raw_reply_agent(client: Any, task: Any) -> float:
     """`fixed_reply_agent` without the `openai` client: the same requests as JSON bodies to the proxy's handler."""
     assert PROXY is not None
-    route = Route("chat", str(client.base_url).rstrip("/").split("/sessions/")[1].split("/")[0])
+    route = Route("chat", session_id(client.base_url))
     messages = [{"role": "user", "content": task.prompt}]
     for turn in range(1, TURNS + 1):
         body = {"model": "policy", "messages": messages, "seed": turn_seed(client.base_url, turn)}

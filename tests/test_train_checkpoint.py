@@ -213,6 +213,6 @@ def test_latest_in_reads_a_live_run_whose_old_steps_are_being_removed(tmp_path: 
     finally:
         writer.join()
         checkpointer.close()
-    assert not failures
-    assert seen and all(step is not None and 1 <= step <= last for step in seen) and seen == sorted(seen)
+    assert not failures, failures
+    assert seen and all(step is not None and 1 <= step <= last for step in seen) and seen == sorted(seen), seen
     assert TrainCheckpointer.latest_in(directory) == last

@@ -36,7 +36,7 @@ from areal_jax.inference.generator import Generator
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.rollout.environments import RewardFn
 from areal_jax.rollout.rewards import import_user_function
-from areal_jax.rollout.workflow import RolloutWorkflow, TaskItem, WorkflowConfig
+from areal_jax.rollout.workflow import RolloutWorkflow, TaskItem, WorkflowConfig, gather_episodes
 
 Agent = Callable[[openai.AsyncOpenAI, Any], Awaitable[float | None]]
 
@@ -133,15 +133,8 @@ class AgentWorkflow(RolloutWorkflow):
         if group_id < 0:
             raise ValueError(f"group_id must be >= 0, got {group_id}")
         proxy = self.proxy_for(generator)
-        episodes = [
-            asyncio.ensure_future(self._episode(proxy, task, group_id, i)) for i in range(self.config.n_samples)
-        ]
-        try:
-            return [t for episode in await asyncio.gather(*episodes) for t in episode]
-        finally:
-            for episode in episodes:
-                episode.cancel()
-            await asyncio.gather(*episodes, return_exceptions=True)
+        episodes = await gather_episodes(self._episode(proxy, task, group_id, i) for i in range(self.config.n_samples))
+        return [t for episode in episodes for t in episode]
 
     async def _episode(self, proxy: AgentProxy, task: TaskItem, group_id: int, index: int) -> list[Trajectory]:
         """The episode's trajectories: its last sequence's, or (`extra_sequences: all`) one per sequence."""

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
@@ -279,6 +279,18 @@ class RolloutWorkflow(abc.ABC):
         return self.config.truncation_penalty, True, {**meta, "raw_reward": reward}
 
 
+async def gather_episodes(episodes: Iterable[Awaitable[R]]) -> list[R]:
+    """The episodes' results, run concurrently; when one fails the others are cancelled (their requests
+    aborted), not left running."""
+    tasks = [asyncio.ensure_future(episode) for episode in episodes]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _check_group_id(group_id: int) -> None:
     if group_id < 0:
         raise ValueError(f"group_id must be >= 0, got {group_id}")
@@ -376,16 +388,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
         prompt_ids = self.render_prompt(task)
         # each episode asks for its own first turn (the generator prefills the shared prompt once), so an
         # episode's second turn does not wait for the group's slowest first turn
-        episodes = [
-            asyncio.ensure_future(self._episode(generator, task, group_id, prompt_ids, index, start))
-            for index in range(self.config.n_samples)
-        ]
-        try:
-            return list(await asyncio.gather(*episodes))
-        finally:  # one episode failed: the others' requests are aborted, not left running
-            for episode in episodes:
-                episode.cancel()
-            await asyncio.gather(*episodes, return_exceptions=True)
+        return await gather_episodes(
+            self._episode(generator, task, group_id, prompt_ids, index, start) for index in range(self.config.n_samples)
+        )
 
     async def _episode(
         self, generator: Generator, task: TaskItem, group_id: int, prompt_ids: list[int], index: int, start: float

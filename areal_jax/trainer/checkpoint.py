@@ -49,7 +49,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.configuration import Config, option
-from areal_jax.weights.base import checkpoint_location, target_shardings, tree_nbytes
+from areal_jax.weights.base import checkpoint_location, list_live_steps, target_shardings, tree_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,6 @@ MANIFEST = "areal_manifest.json"
 # per manager keeps their barriers apart.
 BARRIER_PREFIX = "areal-train"
 _CHUNK = 8 << 20
-_LISTING_ATTEMPTS = 20  # a reader listing a live run's steps retries when a step vanishes under it
 
 
 class CheckpointError(RuntimeError):
@@ -236,19 +235,19 @@ class TrainCheckpointer:
         location = checkpoint_location(directory)
         if not epath.Path(location).exists():
             return None
-        options = ocp.CheckpointManagerOptions(read_only=True)
-        for attempt in range(_LISTING_ATTEMPTS):
-            try:
-                manager = ocp.CheckpointManager(location, item_names=(cls.STATE, cls.METADATA), options=options)
-            except (FileNotFoundError, NotADirectoryError):  # a live run removed an old step (max_to_keep)
-                if attempt == _LISTING_ATTEMPTS - 1:
-                    raise
-                continue
-            try:
-                return manager.latest_step()
-            finally:
-                manager.close()
-        raise AssertionError("unreachable")
+        manager = list_live_steps(lambda: cls.reader(location), directory)
+        try:
+            return manager.latest_step()
+        finally:
+            manager.close()
+
+    @classmethod
+    def reader(cls, location: str | os.PathLike[str]) -> ocp.CheckpointManager:
+        """A read-only manager of the Orbax `location` (creating it lists the steps: call it through
+        `list_live_steps` where a live run may be deleting them)."""
+        return ocp.CheckpointManager(
+            location, item_names=(cls.STATE, cls.METADATA), options=ocp.CheckpointManagerOptions(read_only=True)
+        )
 
     def maybe_save(self, step: int, state: Any, metadata: Metadata | Callable[[], Metadata]) -> bool:
         """Save when `step` is a multiple of `every_steps`; whether it did. `metadata` may be a callable,

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 from jax.sharding import Sharding
@@ -120,3 +120,19 @@ def checkpoint_location(directory: str | os.PathLike[str]) -> str | Path:
     """An Orbax-ready location: a `gs://` URL unchanged, a local path made absolute (Orbax requires it)."""
     text = os.fspath(directory)
     return text if storage.is_remote(text) else Path(text).absolute()
+
+
+_Listed = TypeVar("_Listed")
+_LISTING_ATTEMPTS = 20
+
+
+def list_live_steps(read: Callable[[], _Listed], directory: str | os.PathLike[str]) -> _Listed:
+    """`read()` (anything that makes Orbax list the steps of `directory`), tried again while a step vanishes
+    under it: Orbax lists the step names and then reads each one's metadata, and a live writer may delete the
+    oldest step (`max_to_keep`) in between."""
+    for _ in range(_LISTING_ATTEMPTS):
+        try:
+            return read()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    raise RuntimeError(f"cannot list the steps of {directory}: they keep vanishing while listed")

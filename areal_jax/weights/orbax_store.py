@@ -31,7 +31,14 @@ import jax
 import orbax.checkpoint as ocp
 
 from areal_jax import storage
-from areal_jax.weights.base import LoadedWeights, checkpoint_location, poll_for_version, target_shardings, tree_nbytes
+from areal_jax.weights.base import (
+    LoadedWeights,
+    checkpoint_location,
+    list_live_steps,
+    poll_for_version,
+    target_shardings,
+    tree_nbytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,15 +171,13 @@ class OrbaxWeightSubscriber:
         listing = self._local_listing()  # before Orbax lists: a change after this is seen at the next poll
         if listing is not None and listing == self._listed:
             return self._steps
-        for _ in range(_LOAD_ATTEMPTS):
-            try:
-                self._manager.reload()
-                steps = list(self._manager.all_steps())
-            except (FileNotFoundError, NotADirectoryError):  # a version deleted while Orbax read its metadata
-                continue
-            self._listed, self._steps = listing, steps
-            return steps
-        raise RuntimeError(f"cannot list the versions of {self.directory}: they keep vanishing while listed")
+
+        def read() -> list[int]:
+            self._manager.reload()
+            return list(self._manager.all_steps())
+
+        self._listed, self._steps = listing, list_live_steps(read, self.directory)
+        return self._steps
 
     def _local_listing(self) -> frozenset[str] | None:
         """The names in the store directory; None where it is remote (gs://) or not there yet."""
