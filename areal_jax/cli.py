@@ -30,7 +30,7 @@ def _user_errors() -> tuple[tuple[type[Exception], str], ...]:
     """The exceptions that are user mistakes (a config, a file, a directory), each with the prefix of its
     one-line message; the first match wins. Any other exception is an internal error and keeps its traceback."""
     from areal_jax.data.datasets import MalformedRowError
-    from areal_jax.evaluation import CheckpointSourceError
+    from areal_jax.jobs.evaluate import CheckpointSourceError
     from areal_jax.models.hf_io import CheckpointError
     from areal_jax.planning.calibration import CalibrationError
     from areal_jax.system.run_dir import RunDirectoryError
@@ -73,7 +73,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
-    from areal_jax.demo import run_demo
+    from areal_jax.jobs.demo import run_demo
 
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
@@ -196,7 +196,7 @@ def _print_memory_plan(cfg: Any) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from areal_jax.sft import run_warm_start
+    from areal_jax.jobs.sft import run_warm_start
     from areal_jax.system.assembly import build_tokenizer
     from areal_jax.system.run_dir import check_run_location
 
@@ -213,7 +213,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from areal_jax.compilation_cache import enable_compilation_cache
     from areal_jax.config import load_experiment
-    from areal_jax.evaluation import resolve_checkpoint, run_eval, with_adapter
+    from areal_jax.jobs.evaluate import resolve_checkpoint, run_eval, with_adapter
 
     path, overrides = _split_config_args(args.rest)
     source = resolve_checkpoint(args.checkpoint)

@@ -25,7 +25,8 @@ DEFAULT_DIR = "~/.cache/areal-jax/xla_cache"
 
 def enable_compilation_cache(directory: str | os.PathLike[str] | None) -> None:
     """Use `directory` (local path or gs://) as the persistent compilation cache; "auto": the environment's
-    JAX_COMPILATION_CACHE_DIR when set (JAX reads it itself), else DEFAULT_DIR; None leaves it off."""
+    JAX_COMPILATION_CACHE_DIR when set (JAX reads it itself), else DEFAULT_DIR; None sets none (JAX itself
+    still reads JAX_COMPILATION_CACHE_DIR when it is set)."""
     if directory is None:
         return
     if directory == "auto":

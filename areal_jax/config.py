@@ -87,7 +87,8 @@ class ExperimentConfig(Config):
         "auto",
         doc="persistent XLA compilation cache shared by runs (local or gs://): a rerun or resume loads its "
         "compiled programs instead of compiling them (minutes at real size); auto = $JAX_COMPILATION_CACHE_DIR "
-        "when set, else ~/.cache/areal-jax/xla_cache; null = off",
+        "when set, else ~/.cache/areal-jax/xla_cache; null = areal-jax sets none (JAX itself still reads "
+        "$JAX_COMPILATION_CACHE_DIR: unset it too for no cache)",
     )
 
     def validate(self) -> None:

@@ -109,7 +109,7 @@ class Config:
     REMOVED_KEYS: typing.ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
-        hints = _type_hints(type(self))
+        hints = _type_hints(type(self))  # type: ignore[arg-type]  # mypy checks a class by its instances' __hash__
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             _check_range(f.name, value, f.metadata)

@@ -1,5 +1,5 @@
 """The `eval` config section: which prompts are evaluated (`areal-jax eval`, the held-out split during training)
-and how they are sampled. A leaf: `areal_jax.config` gathers it, `areal_jax.evaluation` runs it."""
+and how they are sampled. A leaf: `areal_jax.config` gathers it, `areal_jax.jobs.evaluate` runs it."""
 
 from __future__ import annotations
 

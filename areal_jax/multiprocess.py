@@ -48,7 +48,11 @@ class TrainerProcesses:
         if self.count == 1:
             assert data is not None
             return data
-        size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data) if self.primary else 0)))
+        length = 0
+        if self.primary:
+            assert data is not None
+            length = len(data)
+        size = int(multihost_utils.broadcast_one_to_all(np.int32(length)))
         shared = multihost_utils.broadcast_one_to_all(_words(data if self.primary else None, size))
         return _bytes(np.asarray(shared), size)
 

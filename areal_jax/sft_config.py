@@ -1,5 +1,5 @@
 """The `warm_start` config section (a short supervised fit before RL) and where its result lives in a run
-directory. A leaf: `areal_jax.config` gathers it, `areal_jax.sft` runs it."""
+directory. A leaf: `areal_jax.config` gathers it, `areal_jax.jobs.sft` runs it."""
 
 from __future__ import annotations
 

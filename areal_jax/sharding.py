@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.configuration import Config, ConfigError, option
 
@@ -103,7 +103,7 @@ def split_devices(
 def logical_to_spec(
     names: Sequence[str | None],
     shape: Sequence[int] | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
     rules: Mapping[str, tuple[str, ...] | None] = LOGICAL_RULES,
 ) -> PartitionSpec:
     """PartitionSpec for an array whose axes carry logical `names`.
@@ -136,7 +136,7 @@ def logical_to_spec(
     return PartitionSpec(*spec)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh) -> Any:
+def state_shardings(state: nnx.State, mesh: Mesh | AbstractMesh) -> Any:
     """NamedShardings for every variable of an NNX state (abstract or concrete), from its logical names."""
 
     def one(variable: Any) -> Any:

@@ -226,7 +226,7 @@ def download(location: Location, local_file: Location) -> None:
 
 def files_below(location: Location) -> list[str]:
     """The relative paths ('a/b.json') of every file below directory `location`, sorted."""
-    found = []
+    found: list[str] = []
     for name, (directory, _) in listing(location).items():
         if directory:
             found.extend(f"{name}/{below}" for below in files_below(join(location, name)))

@@ -8,8 +8,8 @@ neither stage trains on, all sampled pass@1 at temperature 1 (what the policy an
 
 - `accuracy_random_init` and `accuracy_warm_start_teacher_forced`: from `warm_start/summary.json`, the
   probability of sampling the exact worked answer (teacher-forced), before and after the warm start;
-- `accuracy_before`: the RL starting policy (= the warm start), evaluated by the run before its first step
-  (`eval_before/pass@1`);
+- `accuracy_before`: the RL starting policy (= the warm start), evaluated by the run at version 0
+  (`eval/pass@1` at step 0);
 - `accuracy_after`: after RL (`eval/pass@1` of the last evaluation).
 
 Issue 12's targets: final held-out accuracy >= 0.8, a gain >= 0.4, wall <= 300 s on 2 cores; the RL gain
@@ -28,6 +28,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from areal_jax.reporting.metric_keys import is_evaluation
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_NAME = "async-chain-sums"
@@ -55,10 +57,11 @@ def main() -> None:
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started
     run_dir = Path(output_dir) / RUN_NAME
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     warm = json.loads((run_dir / "warm_start" / "summary.json").read_text())
-    before = metrics[0]["eval_before/pass@1"]
-    after = next(m["eval/pass@1"] for m in reversed(metrics) if "eval/pass@1" in m)
+    evaluations = {m["train/version"]: m["eval/pass@1"] for m in lines if is_evaluation(m)}
+    before, after = evaluations[0], evaluations[max(evaluations)]
+    metrics = [m for m in lines if not is_evaluation(m)]
     stale = [m["rollout/staleness_mean"] for m in metrics]
     last = metrics[-20:]
     print(f"steps: {len(metrics)} steps")

@@ -31,9 +31,11 @@ from pathlib import Path
 
 from areal_jax.compilation_cache import enable_compilation_cache
 from areal_jax.config import load_experiment
+from areal_jax.jobs.sft import run_warm_start
 from areal_jax.jobs.train import run_async
 from areal_jax.jsonl import read_jsonl
-from areal_jax.sft import WARM_START_DIR, run_warm_start
+from areal_jax.reporting.metric_keys import is_evaluation
+from areal_jax.sft_config import WARM_START_DIR
 from areal_jax.system.assembly import build_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +82,16 @@ def run_one(base: list[str], output_dir: Path, warm_start: Path, eta: int, objec
     cfg.run_dir.mkdir(parents=True)
     shutil.copytree(warm_start, cfg.run_dir / WARM_START_DIR)  # the same settings: the run reuses it
     summary = run_async(cfg)
-    metrics = read_jsonl(summary.metrics_file)
+    lines = read_jsonl(summary.metrics_file)
+    evaluations = {m["train/version"]: m["eval/pass@1"] for m in lines if is_evaluation(m)}
+    metrics = [m for m in lines if not is_evaluation(m)]
     samples = sum(m["batch/sequences"] for m in metrics[1:])
     seconds = metrics[-1]["time/wall"] - metrics[0]["time/wall"]
     return {
         "eta": eta,
         "objective": objective,
-        "accuracy_before": metrics[0]["eval_before/pass@1"],
-        "accuracy": next(m["eval/pass@1"] for m in reversed(metrics) if "eval/pass@1" in m),
+        "accuracy_before": evaluations[0],
+        "accuracy": evaluations[max(evaluations)],
         "staleness_mean": statistics.mean(m["rollout/staleness_mean"] for m in metrics),
         "staleness_max": max(m["rollout/staleness_max"] for m in metrics),
         "interruptions": summary.interruptions,

@@ -132,7 +132,7 @@ def main() -> None:
             record("raw_load", started)
             copy = fresh_copy(params)
             started = time.perf_counter()
-            jax.block_until_ready(copy_to(copy, inference_shardings))  # what InProcessPublisher copies
+            jax.block_until_ready(copy_to(copy, inference_shardings))  # what the engine's load copies in process
             record("inprocess_reshard", started)
     finally:
         publisher.close()

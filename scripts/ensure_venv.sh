@@ -3,12 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 req="${1:-requirements.txt}"
-python="${PYTHON:-python3.11}"
-command -v "$python" >/dev/null 2>&1 || python=python3
-if [ ! -x .venv/bin/python ]; then
-  "$python" -m venv .venv
-  .venv/bin/python -m pip install --quiet --upgrade pip
-fi
 digest_of() { cat "$1" requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1; }
 # requirements-dev.txt includes requirements.txt: a .venv set up for the tests also runs the main job
 dev_stamp=".venv/.installed-requirements-dev.txt"
@@ -19,7 +13,6 @@ stamp=".venv/.installed-$(basename "$req")"
 digest="$(digest_of "$req")"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
   echo "installing $req into .venv ..." >&2
-  .venv/bin/python -m pip install --quiet -r "$req"
-  .venv/bin/python -m pip install --quiet --no-deps -e .
+  bash scripts/install_requirements.sh .venv "$req"
   echo "$digest" > "$stamp"
 fi

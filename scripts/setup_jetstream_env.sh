@@ -4,17 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-jetstream
-python="${PYTHON:-python3.11}"
-command -v "$python" >/dev/null 2>&1 || python=python3
-if [ ! -x "$venv/bin/python" ]; then
-  "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --upgrade pip
-fi
 stamp="$venv/.installed"
 digest="$(cat requirements.txt requirements-jetstream.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$digest" ]; then
   echo "installing requirements-jetstream.txt into $venv ..." >&2
-  "$venv/bin/python" -m pip install --quiet -r requirements-jetstream.txt
-  "$venv/bin/python" -m pip install --quiet --no-deps -e .
+  bash scripts/install_requirements.sh "$venv" requirements-jetstream.txt
   echo "$digest" > "$stamp"
 fi

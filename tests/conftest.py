@@ -67,7 +67,6 @@ class CompileCounter:
 _LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --durations): 170 s ... ~40 s
     "test_async_rl.py",
     "test_recipes.py",
-    "test_default_task.py",
     "test_readme_commands.py",
     "test_memory_plan.py",
     "test_distributed_trainer.py",
@@ -81,12 +80,48 @@ _LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --dura
 )
 
 
+# The files whose tests run the whole system (engine, generator, log, pipeline, trainer together, mostly as
+# real processes) or take tens of seconds each: marked `system`, which `scripts/run_tests.sh --fast` leaves out.
+_SYSTEM = frozenset(_LONG_FIRST) | {
+    "test_lora_eval.py",
+    "test_evaluation.py",
+    "test_tiny_hf_run.py",
+    "test_agent_workflow.py",
+    "test_run_dir.py",
+    "test_direct_weights.py",
+    "test_weights.py",
+    "test_train_checkpoint.py",
+    "test_rollout_log.py",
+    "test_checkpoint_dtypes.py",
+    "test_profiling.py",
+    "test_lora_run.py",
+}
+# Unit files whose compiles take tens of seconds (a full run's --durations): marked `slow`, also left out of
+# `--fast`, which keeps one quick check of each piece (the golden step, the engine, the objectives, packing).
+_SLOW = frozenset(
+    {
+        "test_paged_kv.py",
+        "test_lora_resume.py",
+        "test_lora_dropout.py",
+        "test_reference_kl.py",
+        "test_prox_logp.py",
+        "test_model_paths.py",
+        "test_serving_weights.py",
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     def rank(item) -> int:
         name = item.path.name
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
+    for item in items:
+        if item.path.name in _SYSTEM:
+            item.add_marker(pytest.mark.system)
+        if item.path.name in _SLOW:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -122,11 +122,12 @@ def main(mode: str, store_dir: Path, out: Path, process: int, port: int) -> None
         _measure(engine, params)  # compiles
         plain = _measure(engine, params)
     if process > 0:
-        receiver = CommandReceiver(processes.share(None), process, timeout_s=30)
+        address, secret = processes.share(None)
+        receiver = CommandReceiver(address, bytes.fromhex(secret), process, timeout_s=30)
         follow(engine, receiver, lambda version: store.load(version, target).params)
         return
     sender = CommandSender("127.0.0.1", 1, timeout_s=10, on_lost=_exit_lost)
-    processes.share(sender.address)
+    processes.share([sender.address, sender.secret.hex()])
     sender.accept(30)
     mirrored = MirroredEngine(engine, sender)
     weights = MirroredWeights(store, mirrored)

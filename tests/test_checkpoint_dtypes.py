@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError
-from areal_jax.evaluation import restore_trained_params
+from areal_jax.jobs.evaluate import restore_trained_params
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.system.assembly import build_tokenizer, policy_config

@@ -5,7 +5,7 @@ import json
 
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
-from areal_jax.demo import run_demo
+from areal_jax.jobs.demo import run_demo
 
 
 def test_demo_generates_scores_and_checks_logprobs(tmp_path):

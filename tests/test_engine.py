@@ -1,6 +1,8 @@
 """Engine (prefill / insert / generate): exactness against the no-cache model, logprob consistency,
 bucketed compilation and sharded equivalence."""
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
 import pytest
@@ -10,9 +12,14 @@ from areal_jax.configuration import ConfigError
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.sharding import MeshConfig, make_mesh
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.lora import split_trainable
+from areal_jax.models.lora_config import LoRAConfig
+from areal_jax.models.serving_weights import cast_for_serving
+from areal_jax.sharding import MeshConfig, make_mesh, state_shardings
 from tests.conftest import CompileCounter
-from tests.engine_fixtures import cached_keys, greedy_reference, scoring_logprobs, tiny_model
+from tests.engine_fixtures import TINY, cached_keys, greedy_reference, scoring_logprobs, tiny_model
+from tests.test_lora_model import with_random_adapters
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
@@ -80,6 +87,85 @@ def test_behaviour_logprobs_equal_trainer_logprobs():
         for r in results
     )
     assert gap <= 1e-5
+
+
+def _buffers(*trees: object) -> set[int]:
+    return {shard.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(trees) for shard in leaf.addressable_shards}
+
+
+def _counted(fn: Callable, name: str, calls: list[str]) -> Callable:
+    def call(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+# What makes a loaded version's arrays, by where the given arrays are: one program on the engine's devices (its
+# layout or another), the transfer from other devices (after the serving cast when there is one), a copy where
+# they are and then the transfer where the two device sets only overlap.
+LOAD_STEPS = {
+    ("engine-devices", "float32"): ["copy onto"],
+    ("engine-devices", "bfloat16"): ["copy onto"],
+    ("other-devices", "float32"): ["device_put"],
+    ("other-devices", "bfloat16"): ["cast", "device_put"],
+    ("overlapping-devices", "float32"): ["copy here", "device_put"],
+    ("overlapping-devices", "bfloat16"): ["copy here", "device_put"],
+}
+
+
+@pytest.mark.parametrize("placement,compute", list(LOAD_STEPS))
+def test_a_loaded_version_is_the_engines_own_copy_made_once(placement, compute, monkeypatch):
+    """A trainer's params (another layout, maybe other devices) become the engine's own copy, on its shardings
+    in its serving dtypes, by one copy: they share no buffer with it, so the trainer may donate them at once."""
+    model = Decoder(TINY.replace(compute_dtype=compute), nnx.Rngs(0))
+    devices = jax.devices()
+    engine = Engine(
+        model, EngineConfig(max_slots=2, max_length=32), make_mesh(MeshConfig(fsdp=1, tensor=-1), devices[:4])
+    )
+    trainer_devices = {"engine-devices": devices[:4], "other-devices": devices[4:], "overlapping-devices": devices[2:6]}
+    trainer_mesh = make_mesh(MeshConfig(fsdp=-1, tensor=1), trainer_devices[placement])
+    state = nnx.state(model)
+    given = jax.device_put(state, state_shardings(state, trainer_mesh), may_alias=False)
+    expected = [np.asarray(x) for x in jax.tree.leaves(cast_for_serving(state, model.config))]
+    calls: list[str] = []
+    weights = engine._weights
+    monkeypatch.setattr(weights, "_copy_here", _counted(weights._copy_here, "copy here", calls))
+    monkeypatch.setattr(weights, "_cast", _counted(weights._cast, "cast", calls))
+    monkeypatch.setattr(
+        weights, "_copy_onto", {k: _counted(f, "copy onto", calls) for k, f in weights._copy_onto.items()}
+    )
+    monkeypatch.setattr(jax, "device_put", _counted(jax.device_put, "device_put", calls))
+
+    loaded = engine.load_params(given, 1)
+    assert calls == LOAD_STEPS[placement, compute]
+    assert not _buffers(loaded.state, loaded.layers) & _buffers(given)
+    for leaf in jax.tree.leaves(given):
+        leaf.delete()  # what donation to the trainer's next step does
+    got = jax.tree.leaves(loaded.state)
+    for leaf, sharding in zip(got, jax.tree.leaves(engine.param_shardings), strict=True):
+        assert leaf.sharding == sharding
+    for leaf, want in zip(got, expected, strict=True):
+        assert leaf.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(leaf), want)
+    assert np.isfinite(np.asarray(engine.prefill_batch(loaded, [[1, 2, 3]]).logits)).all()
+
+
+def test_an_adapter_version_is_copied_and_served_over_the_base_kept_once():
+    cfg = TINY.replace(lora=LoRAConfig(rank=4, targets=("q", "v")))
+    policy = Decoder(cfg, nnx.Rngs(0))
+    engine = Engine(policy, EngineConfig(max_slots=2, max_length=32))
+    first = engine.load_params(nnx.state(policy), 0)
+    adapters = split_trainable(cfg, with_random_adapters(policy, seed=1))[0]
+    expected = [np.asarray(x) for x in jax.tree.leaves(adapters)]
+    second = engine.load_params(adapters, 1)
+    assert not _buffers(second.state, second.layers) & _buffers(adapters)
+    for leaf in jax.tree.leaves(adapters):
+        leaf.delete()
+    served_adapters, base = split_trainable(cfg, second.state)
+    for leaf, want in zip(jax.tree.leaves(served_adapters), expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf), want)
+    assert _buffers(base) == _buffers(split_trainable(cfg, first.state)[1])  # the base: the first version's arrays
 
 
 def test_sharded_generation_equals_single_device():

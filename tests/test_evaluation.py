@@ -19,9 +19,9 @@ from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError, to_yaml
 from areal_jax.data.datasets import DatasetConfig
 from areal_jax.eval_config import EvalConfig
-from areal_jax.evaluation import eval_records, resolve_checkpoint, restore_trained_params
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
+from areal_jax.jobs.evaluate import eval_records, resolve_checkpoint, restore_trained_params
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.hf_io import save_hf_checkpoint
 from areal_jax.rollout.evaluation import evaluate, is_correct

@@ -10,8 +10,9 @@ from areal_jax.config import load_experiment
 from areal_jax.jobs.train import run_async
 from areal_jax.rollout.failures import FailureBudget, FailureBudgetConfig
 from areal_jax.system.stop_control import RunFailed
+from tests.short_runs import SHORT_TRAIN_CPU
 
-FAST = ["train_steps=4", "report.plots=false", "eval.every_steps=0"]
+FAST = [*SHORT_TRAIN_CPU, "train_steps=4", "eval.every_steps=0"]
 
 
 def always_raises(completion: str, task: object) -> tuple[float, dict[str, float]]:
@@ -43,8 +44,6 @@ def test_a_reward_that_always_raises_stops_the_run_within_the_budget(tmp_path):
             f"output_dir={tmp_path}",
             "reward.kind=tests.test_failures:always_raises",
             "rollout.failures.max_consecutive=6",
-            "rollout.engine.max_slots=8",  # a small engine: fewer programs to compile before the failures
-            "rollout.engine.max_prefill_batch=2",
         ],
     )
     started = time.perf_counter()

@@ -10,6 +10,7 @@ import pytest
 from areal_jax import storage
 from areal_jax.data.pipeline import PipelineConfig, build_pipeline, set_aside_unread
 from areal_jax.data.rollout_log import RolloutLogWriter
+from areal_jax.data.rollout_log_index import WRITERS_DIR
 from areal_jax.data.rollout_log_reader import ShardFetcher, logged_groups, read_positions, read_shard
 from areal_jax.data.rollout_log_shards import list_shards
 from tests.gcs_emulator import BUCKET, GcsEmulator
@@ -33,8 +34,9 @@ def test_shards_written_to_gcs_read_back_whole_and_in_order(gcs: GcsEmulator, tm
     assert [(e.trajectory.group_id, e.trajectory.sample_index) for e in entries] == [(i // 2, i % 2) for i in range(7)]
     assert [e.seq for e in read_positions(log, [entries[5].position, entries[1].position])] == [5, 1]
     assert logged_groups(log) == dict.fromkeys([0, 1, 2, 3], True)
-    # nothing but committed shards under the prefix: the temporary files stayed on this host
-    assert storage.names(log) == [s.name for s in shards]
+    # nothing but committed shards and the writer's registry entry: the temporary files stayed on this host
+    assert storage.names(log) == [WRITERS_DIR, *(s.name for s in shards)]
+    assert storage.names(storage.join(log, WRITERS_DIR)) == ["w0"]
 
     # a restarted writer continues after its last shard; a second live writer of the same id is refused
     with RolloutLogWriter(log, "w0") as again:

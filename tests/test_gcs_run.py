@@ -23,6 +23,7 @@ from areal_jax.data.rollout_log_reader import read_shard
 from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from tests.gcs_emulator import BUCKET, GcsEmulator
+from tests.short_runs import NO_EVAL, SHORT_TRAIN_CPU
 
 STEPS = 6
 RUN = [
@@ -30,14 +31,9 @@ RUN = [
     "rollout.staleness.batch_prompts=4",
     "rollout.staleness.max_head_offpolicyness=1",
     "rollout.workflow.n_samples=4",
-    "rollout.engine.max_slots=8",
-    "rollout.engine.max_prefill_batch=2",
-    "trainer.packing.token_budget=256",
-    "trainer.packing.rows=4",
+    *SHORT_TRAIN_CPU,
+    *NO_EVAL,
     "train_checkpoint.every_steps=2",
-    "report.plots=false",
-    "dataset.heldout=0",
-    "eval.every_steps=0",
     "cluster.status_every_s=0.2",
     "cluster.weights_poll_s=0.1",
     "cluster.weight_transfer=orbax",  # the server must see each new version in the bucket's listing

@@ -102,5 +102,5 @@ def test_the_checker_sees_function_level_and_package_imports():
     """The graph reads imports inside functions (where cycles hide) and resolves `from pkg import module`."""
     graph = _imports(_modules())
     assert "areal_jax.weights.direct" in graph["areal_jax.weights"]  # the package's face imports it
-    assert "areal_jax.sft" in graph["areal_jax.jobs.starting_policy"]
+    assert "areal_jax.jobs.sft" in graph["areal_jax.jobs.starting_policy"]
     assert "areal_jax.jobs.train" in graph["areal_jax.cli"]  # imported inside main()

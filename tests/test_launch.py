@@ -18,6 +18,7 @@ from areal_jax.data.rollout_log_reader import read_shard
 from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.jsonl import read_jsonl
 from areal_jax.planning.calibration import read_calibration
+from tests.short_runs import NO_EVAL, SHORT_TRAIN_CPU
 
 ETA = 1
 STEPS = 10
@@ -27,14 +28,9 @@ RUN = [
     "rollout.staleness.batch_prompts=4",
     f"rollout.staleness.max_head_offpolicyness={ETA}",
     "rollout.workflow.n_samples=4",
-    "rollout.engine.max_slots=8",
-    "rollout.engine.max_prefill_batch=2",  # fewer engine programs to compile in each server
-    "trainer.packing.token_budget=256",
-    "trainer.packing.rows=4",
+    *SHORT_TRAIN_CPU,
+    *NO_EVAL,
     "train_checkpoint.every_steps=5",
-    "report.plots=false",
-    "dataset.heldout=0",
-    "eval.every_steps=0",
     "cluster.status_every_s=0.2",
     "cluster.weight_transfer=direct",  # the steady state pulled directly; the restarted server starts from Orbax
     f"cluster.direct_store_every={ETA + 1}",  # ... from a stored version up to eta behind, and catches up

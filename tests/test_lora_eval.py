@@ -10,7 +10,7 @@ from flax import nnx
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import to_yaml
-from areal_jax.evaluation import resolve_checkpoint
+from areal_jax.jobs.evaluate import resolve_checkpoint
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.system.assembly import build_tokenizer, export_policy
 from tests.test_lora_model import with_random_adapters

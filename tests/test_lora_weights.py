@@ -37,7 +37,7 @@ def test_a_lora_version_moves_only_adapter_bytes_through_both_weight_paths(tmp_p
     trainable, frozen = split_trainable(CFG, with_random_adapters(policy, seed=3))
     adapter_bytes, base_bytes = tree_nbytes(trainable), tree_nbytes(frozen)
     assert adapter_bytes == CFG.num_lora_params() * 4 and base_bytes > 8 * adapter_bytes
-    target = abstract_target(trainable, engine.shardings_for(trainable))
+    target = abstract_target(trainable, adapter_state(engine.param_shardings))
     assert jax.tree.structure(target) == jax.tree.structure(adapter_state(nnx.state(policy)))
 
     store = OrbaxWeightPublisher(tmp_path / "weights", async_save=False)

@@ -12,14 +12,14 @@ from flax import nnx
 from areal_jax.models.decoder import Decoder
 from areal_jax.trainer.batching import build_batch
 from areal_jax.trainer.config import OptimizerConfig
-from areal_jax.trainer.train_step import (
-    TrainStep,
+from areal_jax.trainer.optimizer import (
     applied_updates,
     decay_mask,
     learning_rate,
     learning_rate_schedule,
     make_optimizer,
 )
+from areal_jax.trainer.train_step import TrainStep
 from tests.test_train_step import CONFIG, TEMPERATURE, TINY, make_trajectories, single_device_mesh, tiny_model_state
 
 

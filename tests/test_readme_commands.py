@@ -6,12 +6,14 @@ root into one temporary output directory, made short by overrides appended to it
 the README says it does (its exit status, the files it writes, what it prints). A command that cannot run
 here (one that needs an HF checkpoint or a dataset this test does not have; the test suite itself) is at
 least parsed by the CLI, and its config file must exist. A command of a kind this file does not know fails
-the test, so an edited README is tested as it is written.
+the test, so an edited README is tested as it is written. The main job's run is also the check that its live
+display (its last frame), the TensorBoard event file, metrics.jsonl and the plots agree on the last step.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -23,11 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal_jax.cli import parse_command_line
 from areal_jax.config import load_experiment
 from areal_jax.configuration import to_yaml
 from areal_jax.exit_codes import EXIT_USER_ERROR
+from areal_jax.reporting.metric_keys import is_evaluation
+from areal_jax.reporting.run_reporter import tensorboard_tag
+from areal_jax.system.heldout_evaluator import THREAD_NAME, eval_due
+from tests.short_runs import SHORT_CHAIN_SUMS, SHORT_TRAIN_CPU
 from tests.xla_flags import SUITE_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,32 +44,22 @@ CLI = ("areal-jax", ".venv/bin/areal-jax")
 STEPS = 4  # enough for `plan --calibration` with --skip-steps 1: one step left out, three steady ones
 SHORT = {  # appended to a command that trains this config: a few small steps, programs from the test cache
     MAIN_CONFIG: [
+        *SHORT_CHAIN_SUMS,
         f"train_steps={STEPS}",
-        "warm_start.steps=4",
-        "warm_start.heldout_examples=8",
-        "dataset.heldout=8",
-        "rollout.staleness.batch_prompts=2",
-        "rollout.workflow.n_samples=2",
-        "rollout.engine.max_slots=8",
-        "rollout.engine.max_prefill_batch=2",
-        "rollout.staleness.max_concurrent=8",
-        "trainer.packing.token_budget=512",
-        "trainer.packing.rows=4",
         f"train_checkpoint.every_steps={STEPS}",
         f"eval.every_steps={STEPS}",
         f"profile.start_step={STEPS}",  # the README's `profile.start_step=N`, for its `profile-summary`
         "profile.num_steps=1",
         "compilation_cache_dir=null",  # the test session's cache (tests/conftest.py), not runs/xla_cache
+        "report.live=always",  # the live display, though stderr is a pipe: its last frame is checked
     ],
     "configs/train_cpu.yaml": [
+        *SHORT_TRAIN_CPU,
+        "report.plots=true",  # the README's output table lists plots/
         f"train_steps={STEPS}",
         "dataset.heldout=8",
         "rollout.staleness.batch_prompts=4",
         "rollout.workflow.n_samples=4",
-        "rollout.engine.max_slots=8",
-        "rollout.engine.max_prefill_batch=2",
-        "trainer.packing.token_budget=256",
-        "trainer.packing.rows=4",
         f"train_checkpoint.every_steps={STEPS}",
         f"eval.every_steps={STEPS}",
         "cluster.status_every_s=0.05",  # `launch local`: the servers' counters reach the calibration each (fast) step
@@ -72,6 +69,7 @@ SHORT = {  # appended to a command that trains this config: a few small steps, p
 # The README's placeholders, bound to what this test has: CONFIG and RUN_DIR are those of the last run,
 # <name> its name; D devices to split (a 2-core CPU), E the staleness bound, B prompts per step, I a server.
 PLACEHOLDERS = {"D": "2", "E": "1", "B": "4", "I": "0"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FILE_SUFFIXES = (".json", ".jsonl", ".md", ".yaml", ".py", ".log", ".txt", ".png", ".safetensors")
 
 
@@ -104,6 +102,55 @@ def readme_commands(text: str) -> list[ReadmeCommand]:
     return [
         ReadmeCommand(tuple(shlex.split(source)), text.count("\n", 0, start) + 1) for start, source in sorted(found)
     ]
+
+
+def _step_lines(run_dir: Path, cfg: Any) -> list[dict[str, Any]]:
+    """metrics.jsonl's step lines, after checking its held-out evaluations' lines: one at each step the
+    schedule evaluates (0, every `eval.every_steps`, the last), run by the rollout side's evaluation thread."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [m["train/version"] for m in lines if is_evaluation(m)]
+    if cfg.eval.every_steps and cfg.dataset.heldout:
+        assert evaluated == [v for v in range(cfg.train_steps + 1) if eval_due(cfg, v)], evaluated
+        for version in evaluated:
+            summary = json.loads((run_dir / "eval" / f"step-{version}" / "summary.json").read_text())
+            assert summary["thread"] == THREAD_NAME
+    return [m for m in lines if not is_evaluation(m)]
+
+
+def display_tensorboard_and_plots_agree(run_dir: Path, done: subprocess.CompletedProcess[str]) -> None:
+    """The live display's last frame (rich prints it when the display stops), the TensorBoard event file,
+    metrics.jsonl and the plots of a finished run agree on the values of its last step."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = int(max(m["train/version"] for m in lines))
+    last_eval = next(m for m in lines if is_evaluation(m) and m["train/version"] == steps)
+    last = {**next(m for m in lines if not is_evaluation(m) and m["train/version"] == steps), **last_eval}
+    display = done.stderr
+    assert f"step {steps}/{steps}" in display
+    for label, key, spec in (
+        ("reward", "rollout/reward_mean", ".3f"),
+        ("correct", "rollout/correct_mean", ".3f"),
+        ("held-out pass@1", "eval/pass@1", ".3f"),
+        ("interruptions", "generator/interruptions", ".0f"),
+    ):
+        shown = re.search(rf"{re.escape(label)}\s+(\S+)", display)
+        assert shown is not None, f"{label!r} missing from the display:\n{display[-5000:]}"
+        assert shown.group(1) == format(last[key], spec), (label, shown.group(1), last[key])
+    staleness = re.search(r"staleness mean/max\s+(\S+) / (\S+)", display)
+    expected = (format(last["rollout/staleness_mean"], ".2f"), format(last["rollout/staleness_max"], ".0f"))
+    assert staleness is not None and staleness.groups() == expected
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in ("rollout/reward_mean", "rollout/correct_mean", "rollout/staleness_mean", "train/loss", "eval/pass@1"):
+        points = {p.step: p.value for p in events.Scalars(tensorboard_tag(key))}
+        assert tensorboard_tag(key) in tags and sorted(points)[-1] == steps
+        assert math.isclose(points[steps], last[key], rel_tol=1e-6, abs_tol=1e-6), key
+
+    plots = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
+    assert plots == ["reward.png", "staleness.png", "throughput.png"]
+    assert all((run_dir / "plots" / name).read_bytes()[:8] == PNG_MAGIC for name in plots)
+    assert "plots:" in done.stdout  # the closing summary names them
 
 
 def readme_outputs(text: str) -> list[str]:
@@ -143,7 +190,8 @@ class ReadmeSession:
         # `areal-jax` is this environment's; subprocesses share the suite's compilation cache and code
         # generator, and see one CPU device, as on a user's machine (not the suite's 8 virtual ones)
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-        return {**os.environ, "PATH": path, "XLA_FLAGS": SUITE_FLAGS}
+        # (COLUMNS: the live display's width, one line per row of labels)
+        return {**os.environ, "PATH": path, "XLA_FLAGS": SUITE_FLAGS, "COLUMNS": "200"}
 
     def execute(self, argv: list[str], expect: int = 0) -> subprocess.CompletedProcess[str]:
         started = time.perf_counter()
@@ -203,6 +251,7 @@ class ReadmeSession:
         done = self.execute(argv)
         overrides = [*readme_overrides, *SHORT[MAIN_CONFIG], f"output_dir={self.output_dir}"]
         self.trained(MAIN_CONFIG, overrides, done)
+        display_tensorboard_and_plots_agree(self.runs[-1].directory, done)
 
     def trained(self, config: str, overrides: list[str], done: subprocess.CompletedProcess[str]) -> None:
         """A finished run of `config` with `overrides`: what the README says it writes, and its steps."""
@@ -215,7 +264,7 @@ class ReadmeSession:
                 assert not present, f"{run_dir}: a warm start although warm_start.steps is 0"
                 continue
             assert present and all(p.is_dir() == entry.endswith("/") for p in present), f"{run_dir}: no {entry}"
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        metrics = _step_lines(run_dir, cfg)
         assert [m["train/version"] for m in metrics] == list(range(1, cfg.train_steps + 1))  # a fresh run's only
         eta = cfg.rollout.staleness.max_head_offpolicyness
         assert max(m["rollout/staleness_max"] for m in metrics) <= eta
@@ -228,7 +277,7 @@ class ReadmeSession:
         """A finished `launch local` run: every step trained once, the rollout servers wrote the groups,
         the trainer exported the policy."""
         run_dir = Path(cfg.run_dir)
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        metrics = _step_lines(run_dir, cfg)
         assert [m["train/version"] for m in metrics] == list(range(1, STEPS + 1)), done.stdout[-3000:]
         # eta bounds the version a group starts at; with two servers one may be trained a version later
         assert max(m["rollout/staleness_max"] for m in metrics) <= cfg.rollout.staleness.max_head_offpolicyness + 1
@@ -259,7 +308,9 @@ class ReadmeSession:
                 assert said and "--overwrite" in said[-1], done.stdout[-2000:] + done.stderr[-2000:]
                 assert (Path(cfg.run_dir) / "hf_final").is_dir()  # and left alone
             elif args.command == "launch":
-                self.launched(config, cfg, self.execute([*words, *SHORT[config], f"output_dir={self.output_dir}"]))
+                overrides = [*readme_overrides, *SHORT[config], f"output_dir={self.output_dir}"]
+                done = self.execute([*words, *SHORT[config], f"output_dir={self.output_dir}"])
+                self.launched(config, load_experiment(config, overrides), done)
             else:
                 overrides = [*SHORT[config], f"output_dir={self.output_dir}"]
                 self.trained(config, overrides, self.execute([*words, *overrides]))

@@ -170,8 +170,11 @@ def test_wandb_is_optional_and_logs_every_step(tmp_path, monkeypatch):
     class FakeRun:
         url = "https://wandb.example/run"
 
-        def log(self, stats, step):
-            calls.append(("log", step, stats["rollout/reward_mean"]))
+        def log(self, stats, step=None):
+            calls.append(("log", step, stats.get("rollout/reward_mean", stats.get("eval/step"))))
+
+        def define_metric(self, name, step_metric=None):
+            calls.append(("define_metric", name, step_metric))
 
         def finish(self):
             calls.append(("finish",))
@@ -188,12 +191,17 @@ def test_wandb_is_optional_and_logs_every_step(tmp_path, monkeypatch):
     fake.util.generate_id = lambda: "other"
     with RunReporter(config, tmp_path / "b", total_steps=2, start_step=1) as reporter:  # resumed: the same W&B run
         reporter.log(2, _stats(2))
+        reporter.log_evaluation(0, {"eval/pass@1": 0.5})  # a late evaluation: on its own axis, `eval/step`
+    metrics = [("define_metric", "eval/step", None), ("define_metric", "eval/*", "eval/step")]
     assert calls == [
         ("init", "p", "abc123", "allow", {"seed": 1}),
+        *metrics,
         ("log", 1, pytest.approx(0.1)),
         ("finish",),
         ("init", "p", "abc123", "allow", {}),
+        *metrics,
         ("log", 2, pytest.approx(0.2)),
+        ("log", None, 0),
         ("finish",),
     ]
 

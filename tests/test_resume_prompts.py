@@ -29,6 +29,7 @@ from areal_jax.jsonl import read_jsonl
 from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.seeds import stream_seed
 from areal_jax.trainer.checkpoint import TrainCheckpointer
+from tests.short_runs import SHORT_TRAIN_CPU
 
 PROMPTS = 32  # 16 steps: every interruption below lands well inside the epoch
 BATCH = 2
@@ -41,12 +42,8 @@ RUN = [
     f"rollout.staleness.batch_prompts={BATCH}",
     f"rollout.staleness.max_head_offpolicyness={ETA}",
     "rollout.workflow.n_samples=2",
-    "rollout.engine.max_slots=8",
-    "rollout.engine.max_prefill_batch=2",  # batches are 2 prompts: fewer engine programs to compile
-    "trainer.packing.token_budget=256",
-    "trainer.packing.rows=4",
+    *SHORT_TRAIN_CPU,
     "train_checkpoint.every_steps=2",
-    "report.plots=false",
     "dataset.heldout=0",  # every prompt is trained
 ]
 

@@ -60,10 +60,11 @@ def test_serving_copy_changes_no_result():
 def test_the_engine_stores_the_serving_copy():
     model = _bf16_compute()
     engine = Engine(model, EngineConfig(max_slots=2, max_length=32, min_prefill_bucket=8))
-    assert engine.casts_weights
     params = engine.load_params(nnx.state(model), 0)
     dtypes = {leaf.dtype for leaf in jax.tree.leaves(params.state)}
     assert dtypes == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params.state))
     assert weight_bytes < 0.6 * sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model)))
-    assert not Engine(Decoder(CFG, nnx.Rngs(0)), engine.config).casts_weights  # fp32 compute: stored as given
+    fp32 = Decoder(CFG, nnx.Rngs(0))  # fp32 compute: stored as given
+    stored = Engine(fp32, engine.config).load_params(nnx.state(fp32), 0).state
+    assert {leaf.dtype for leaf in jax.tree.leaves(stored)} == {jnp.dtype(jnp.float32)}

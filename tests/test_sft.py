@@ -15,19 +15,13 @@ from flax import nnx
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.data.datasets import PromptRecord
+from areal_jax.jobs.sft import encode_examples, heldout_scores, train_warm_start
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models import lora
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.init import create_decoder
 from areal_jax.models.tokenizer import CharTokenizer
-from areal_jax.sft import (
-    SUMMARY_FILE,
-    WARM_START_DIR,
-    WarmStartConfig,
-    encode_examples,
-    heldout_scores,
-    train_warm_start,
-)
+from areal_jax.sft_config import SUMMARY_FILE, WARM_START_DIR, WarmStartConfig
 from areal_jax.system.assembly import build_tokenizer
 from areal_jax.system.run_dir import prepare_run_dir
 

@@ -16,7 +16,7 @@ from areal_jax.inference.sampling import SamplingParams
 from areal_jax.sharding import MeshConfig, copy_to, make_mesh
 from areal_jax.trainer.batching import build_batch, split_minibatches
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
-from areal_jax.trainer.train_step import applied_updates
+from areal_jax.trainer.optimizer import applied_updates
 from areal_jax.trainer.trainer import Trainer
 from tests.test_train_step import CONFIG, TEMPERATURE, make_trajectories, single_device_mesh, tiny_model_state
 

@@ -34,7 +34,8 @@ from areal_jax.rollout.environments import (
     SyntheticRewardFn,
     arithmetic_prompt_record,
 )
-from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, TurnRenderer, WorkflowConfig
+from areal_jax.rollout.turns import TurnRenderer
+from areal_jax.rollout.workflow import MultiTurnWorkflow, RLVRWorkflow, WorkflowConfig
 from tests.engine_fixtures import TINY
 from tests.test_tokenizer import build_tokenizer_dir
 

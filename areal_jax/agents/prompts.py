@@ -7,7 +7,7 @@ once with the new messages after it. If the first is not a prefix of the second,
 when new messages follow (Qwen3 and R1-style templates drop an earlier `<think>`): the continuation *diverges*
 and the caller applies `agent.template_rule`. Otherwise the new ids are read off a placeholder conversation
 (the assistant's content a marker), by the rule the built-in multi-turn workflow uses
-(`rollout.workflow.continuation_ids`).
+(`rollout.turns.continuation_ids`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jinja2
 
 from areal_jax.agents.messages import RequestError, for_template
 from areal_jax.models.tokenizer import Tokenizer
-from areal_jax.rollout.workflow import MODEL_MARK, continuation_ids
+from areal_jax.rollout.turns import MODEL_MARK, continuation_ids
 
 
 class ChatRenderer:

@@ -124,6 +124,7 @@ class AgentProxy:
             return
         self._on_loop(self._shut_down()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._thread is not None  # started with the loop
         self._thread.join()
         self._loop.close()
         self._loop = None
@@ -321,8 +322,8 @@ class AgentProxy:
 
     async def _end(self, route: Route) -> Answer:
         session_id = route.session_id
-        session = self._sessions.get(session_id)
-        if session is None or not session.external:
+        session = None if session_id is None else self._sessions.get(session_id)
+        if session_id is None or session is None or not session.external:
             raise HTTPRefusal(
                 404, f"no episode {session_id!r} opened by a client is in flight", "invalid_request_error"
             )

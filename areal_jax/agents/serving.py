@@ -18,5 +18,8 @@ def workflow_serving(
     """What the workflow serves while the rollout side runs: the agent proxy for kind 'agent', else nothing."""
     if workflow.config.kind != "agent":
         return contextlib.nullcontext()
+    from areal_jax.agents.workflow import AgentWorkflow  # only here: it imports openai
+
+    assert isinstance(workflow, AgentWorkflow)  # what kind 'agent' builds
     agent = workflow.config.agent
     return workflow.serving(generator, StalenessAdmission(staleness), agent.port + server if agent.port else 0)

@@ -113,9 +113,10 @@ class PackingConfig(Config):
     def row_counts(self, row_length: int) -> list[int]:
         """The bucket row counts of micro-batches with rows of `row_length` within the token budget:
         fewest_rows * 2^j below `rows` (for batches one such micro-batch holds), then rows * 2^j."""
+        budget = self.rows * self.row_length  # token_budget, refused by `row_length` while it is auto
         small = [self.fewest_rows << j for j in range(self.rows.bit_length()) if self.fewest_rows << j < self.rows]
-        counts, count = [c for c in small if c * row_length <= self.token_budget], self.rows
-        while count * row_length <= self.token_budget:
+        counts, count = [c for c in small if c * row_length <= budget], self.rows
+        while count * row_length <= budget:
             counts.append(count)
             count *= 2
         return counts
@@ -266,29 +267,29 @@ def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: Pa
 
     A sequence longer than `config.row_length` is refused with an error naming its index and length.
     """
-    lengths_P = [_check_lengths(lengths) for lengths in lengths_P]
-    longest = max(int(lengths.max()) for lengths in lengths_P)
+    checked_P = [_check_lengths(lengths) for lengths in lengths_P]
+    longest = max(int(lengths.max()) for lengths in checked_P)
     if longest > config.row_length:
-        p = next(p for p, lengths in enumerate(lengths_P) if lengths.max() == longest)
-        i = int(np.argmax(lengths_P[p]))
-        where = f"sequence {i}" if len(lengths_P) == 1 else f"sequence {i} of mini-batch {p}"
+        p = next(p for p, lengths in enumerate(checked_P) if lengths.max() == longest)
+        i = int(np.argmax(checked_P[p]))
+        where = f"sequence {i}" if len(checked_P) == 1 else f"sequence {i} of mini-batch {p}"
         raise ValueError(
             f"{where} has length {longest} > row length {config.row_length} "
             f"(token_budget {config.token_budget} / rows {config.rows}); it cannot be packed"
         )
-    tokens = max(int(lengths.sum()) for lengths in lengths_P)
-    num_minibatches = len(lengths_P)
+    tokens = max(int(lengths.sum()) for lengths in checked_P)
+    num_minibatches = len(checked_P)
 
     def bound(row_length: int) -> int:  # no bucket of this row length has fewer slots
         # a row holds at most row_length tokens and at most one sequence longer than half of it
-        rows = max(-(-tokens // row_length), *(int(np.sum(2 * lengths > row_length)) for lengths in lengths_P))
+        rows = max(-(-tokens // row_length), *(int(np.sum(2 * lengths > row_length)) for lengths in checked_P))
         return num_minibatches * row_length * -(-rows // config.fewest_rows) * config.fewest_rows
 
     best: tuple[tuple[int, int, int], int, list[_RowPlacement]] | None = None
     for row_length in sorted(config.row_lengths(longest), key=bound):
         if best is not None and bound(row_length) > best[0][0]:
             break
-        placements = [first_fit_decreasing(lengths, row_length) for lengths in lengths_P]
+        placements = [first_fit_decreasing(lengths, row_length) for lengths in checked_P]
         rows_needed = max(placement.num_rows for placement in placements)
         for rows in config.row_counts(row_length):
             if rows < config.rows and rows < rows_needed:
@@ -297,6 +298,7 @@ def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: Pa
             key = (num_minibatches * count * rows * row_length, count, row_length)
             if best is None or key < best[0]:
                 best = (key, rows, placements)
+    assert best is not None  # `rows` rows of `row_length` (the longest row length) always fit the budget
     (_, count, row_length), rows, placements = best
     return [
         PackPlan(
@@ -307,7 +309,7 @@ def plan_minibatches(lengths_P: Sequence[Sequence[int] | np.ndarray], config: Pa
             segment_N=placement.segment_N,
             shapes=((rows, row_length),) * count,
         )
-        for lengths, placement in zip(lengths_P, placements, strict=True)
+        for lengths, placement in zip(checked_P, placements, strict=True)
     ]
 
 

@@ -46,7 +46,7 @@ from areal_jax import storage
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.data.rollout_log_reader import LogEntry, read_positions, read_shard
 from areal_jax.data.rollout_log_shards import TMP_PREFIX, ShardName, list_shards, shard_location
-from areal_jax.data.rollout_log_tail import RolloutLogDataset
+from areal_jax.data.rollout_log_tail import RolloutLogDataset, StopFlag
 from areal_jax.data.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ def build_pipeline(
     config: PipelineConfig,
     *,
     trainer_version: Callable[[], int] | None = None,
-    stop_event: threading.Event | None = None,
+    stop_event: StopFlag | None = None,
     writers_done: threading.Event | None = None,
 ) -> grain.IterDataset:
     """The pipeline of the module docstring over the rollout log in `directory`.

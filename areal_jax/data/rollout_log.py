@@ -8,13 +8,16 @@ Commit. A writer buffers appended records in memory and commits them as one shar
 `close()` (the rollout side's `GroupLogSink` flushes after every group: one shard per group). The shard
 is written under a dot-prefixed temporary name, fsynced, then hard-linked to its final name (which fails
 rather than overwrite an existing shard) and the temporary name removed; the directory is fsynced.
-Readers only ever see whole shards. A record is durable once `flush()` has returned; a crash loses only
-uncommitted records, and a restarted writer continues after its last committed shard (its stale
-temporary files are removed). Two live writers must not share a writer id.
+Readers only ever see whole shards. Before the link the shard's name is appended to the writer's journal
+(`rollout_log_index`: how readers find new shards without listing the directory). A record is durable
+once `flush()` has returned; a crash loses only uncommitted records, and a restarted writer continues
+after its last committed shard (its stale temporary files are removed, its journal rewritten from its
+committed shards). Two live writers must not share a writer id.
 
 Storage. ArrayRecord 0.8.6 writes through a local file descriptor only, so on GCS a writer writes the
 shard to a local temporary file and uploads it to its final object name (an object appears only once its
-upload is complete: readers still see whole shards only), refusing to replace an existing one.
+upload is complete: readers still see whole shards only), refusing to replace an existing one; it registers
+once, with an empty object, and keeps no journal (readers list each writer's newest names instead).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from array_record.python import array_record_module
 
 from areal_jax import storage
 from areal_jax.configuration import Config, option
+from areal_jax.data.rollout_log_index import WriterJournal, fsync_path
 from areal_jax.data.rollout_log_records import encode_record
 from areal_jax.data.rollout_log_shards import SHARD_SUFFIX, TMP_PREFIX, ShardName, list_shards, shard_location
 from areal_jax.data.trajectory import Trajectory
@@ -62,14 +66,6 @@ def new_writer_id(server: int) -> str:
     """A writer id for rollout server (or in-process rollout side) `server`, unique across its restarts and hosts:
     the server, the time in ns, the process id."""
     return f"rollout{server}-{time.time_ns()}-{os.getpid()}"
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RolloutLogWriter:
@@ -102,6 +98,7 @@ class RolloutLogWriter:
         own = [s for s in list_shards(self.directory) if s.writer_id == writer_id]
         self._next_shard = own[-1].shard_seq + 1 if own else 0
         self._next_record = own[-1].first_record + own[-1].num_records if own else 0
+        self._journal = WriterJournal(self.directory, writer_id, own, self.config.fsync)
         if own:
             logger.info(
                 "writer %s resumes at shard %d, record %d in %s",
@@ -156,10 +153,10 @@ class RolloutLogWriter:
             storage.upload(tmp, final, exclusive=True)
             return
         if self.config.fsync:
-            _fsync_path(tmp)
+            fsync_path(tmp)
         os.link(tmp, final)  # FileExistsError rather than replacing a shard
         if self.config.fsync:
-            _fsync_path(Path(self.directory), directory=True)
+            fsync_path(Path(self.directory), directory=True)
 
     def _commit(self) -> ShardName | None:
         if not self._buffer:
@@ -179,6 +176,7 @@ class RolloutLogWriter:
         writer.close()
         nbytes = tmp.stat().st_size
         try:
+            self._journal.announce(shard)
             self._publish(tmp, final)
         except FileExistsError:
             raise FileExistsError(

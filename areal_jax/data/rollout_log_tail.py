@@ -1,11 +1,13 @@
 """The trainer pipeline's source: the records of a rollout-log directory as they are committed.
 
-`RolloutLogDataset` tails the directory: it lists it, reads committed shards as they appear, each writer's
-in commit order (the oldest file first among the writers' next shards), and waits for new ones with a
-bounded exponential backoff (`poll_initial_s` doubling up to `poll_max_s`; never a busy loop). A writer's
-shard that stays missing for `gap_timeout_s` is skipped and reported. On gs:// the next shards download
-in the background (`ShardFetcher`). Its state is, per writer, the next shard to read, and the current
-shard and the index of its next unread record.
+`RolloutLogDataset` tails the directory: it reads committed shards as they appear, each writer's in commit
+order (the oldest file first among the writers' next shards), and waits for new ones with a bounded
+exponential backoff (`poll_initial_s` doubling up to `poll_max_s`; never a busy loop). A writer's shard
+that stays missing for `gap_timeout_s` is skipped and reported. It lists the whole directory once, when it
+starts or is restored; after that a refresh asks only for what each writer committed since
+(`rollout_log_index.ShardFeed`), so its cost does not grow with the shards already read. On gs:// the next
+shards download in the background (`ShardFetcher`). Its state is, per writer, the next shard to read, and
+the current shard and the index of its next unread record.
 
 Stopping. An iterator ends (StopIteration) when `stop_event` is set (checked at least every
 `poll_max_s`), once `writers_done` is set and no unread shard is left (the writers finished: the stream
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 
 import grain
 
+from areal_jax.data.rollout_log_index import ShardFeed
 from areal_jax.data.rollout_log_reader import LogEntry, ReadProblem, ShardFetcher
 from areal_jax.data.rollout_log_shards import ShardName, list_shards_and_ages, shard_age
 
@@ -32,12 +35,25 @@ logger = logging.getLogger(__name__)
 
 
 class TailSettings(Protocol):
-    """How the log is tailed (the pipeline passes its `PipelineConfig`)."""
+    """How the log is tailed (the pipeline passes its `PipelineConfig`); read-only, so a frozen config fits."""
 
-    poll_initial_s: float
-    poll_max_s: float
-    idle_timeout_s: float | None
-    gap_timeout_s: float
+    @property
+    def poll_initial_s(self) -> float: ...
+
+    @property
+    def poll_max_s(self) -> float: ...
+
+    @property
+    def idle_timeout_s(self) -> float | None: ...
+
+    @property
+    def gap_timeout_s(self) -> float: ...
+
+
+class StopFlag(Protocol):
+    """A `threading.Event`, or anything else that says whether a stop was asked (the trainer's `StopControl`)."""
+
+    def is_set(self) -> bool: ...
 
 
 class RolloutLogDataset(grain.IterDataset):
@@ -48,7 +64,7 @@ class RolloutLogDataset(grain.IterDataset):
         directory: str | os.PathLike[str],
         config: TailSettings,
         *,
-        stop_event: threading.Event | None = None,
+        stop_event: StopFlag | None = None,
         writers_done: threading.Event | None = None,
     ):
         super().__init__()
@@ -76,8 +92,10 @@ class RolloutLogIterator(grain.DatasetIterator):
         self._record = 0
         self._entries: collections.deque[LogEntry] = collections.deque()
         self._problems = 0
-        self._pending: dict[str, collections.deque[ShardName]] = {}  # from the last directory listing
-        self._ages: dict[str, int] | None = None  # shard name -> commit time, from a gs:// listing
+        self._pending: dict[str, collections.deque[ShardName]] = {}  # found, not picked yet
+        self._ages: dict[str, int] = {}  # pending shard's name -> commit time, from a gs:// listing
+        self._feed = ShardFeed(self._ds.directory)
+        self._listed = False  # whether the whole directory was listed since the start or the last restore
         self._gap_since: dict[str, float] = {}
         self._fetcher = ShardFetcher(dataset.directory)  # on gs://: the next shards download meanwhile
 
@@ -93,6 +111,7 @@ class RolloutLogIterator(grain.DatasetIterator):
     def close(self) -> None:
         self.interrupt()
         self._fetcher.close()
+        self._feed.close()
         super().close()
 
     def __next__(self) -> LogEntry:
@@ -141,14 +160,33 @@ class RolloutLogIterator(grain.DatasetIterator):
             delay = min(2 * delay, config.poll_max_s)
 
     def _refresh(self) -> None:
-        """List the directory: per writer, its committed shards not yet consumed, in sequence order."""
-        pending: dict[str, collections.deque[ShardName]] = {}
-        shards, self._ages = list_shards_and_ages(self._ds.directory)
-        for shard in shards:
-            if shard.shard_seq >= self._next_shard.get(shard.writer_id, 0):
-                pending.setdefault(shard.writer_id, collections.deque()).append(shard)
-        self._pending = pending
+        """Add to each writer's pending shards those committed after them, in sequence order: after a start
+        or a restore from a listing of the whole directory (and every journal read whole), then only from
+        what the feed finds new."""
+        if not self._listed:
+            self._feed.reset()
+            self._pending, self._ages = {}, {}
+            self._add(*list_shards_and_ages(self._ds.directory))
+            self._listed = True
+        self._add(*self._feed.poll(self._known()))
         self._prefetch()
+
+    def _add(self, shards: list[ShardName], ages: dict[str, int] | None) -> None:
+        known = self._known()
+        for shard in shards:
+            if shard.shard_seq >= known.get(shard.writer_id, 0):
+                self._pending.setdefault(shard.writer_id, collections.deque()).append(shard)
+                known[shard.writer_id] = shard.shard_seq + 1
+                if ages is not None and shard.name in ages:
+                    self._ages[shard.name] = ages[shard.name]
+
+    def _known(self) -> dict[str, int]:
+        """Per writer, the first shard number neither consumed nor pending."""
+        known = dict(self._next_shard)
+        for writer, queue in self._pending.items():
+            if queue:
+                known[writer] = max(known.get(writer, 0), queue[-1].shard_seq + 1)
+        return known
 
     def _prefetch(self) -> None:
         """Start fetching the shards read next: each writer's next, then each one's second, ..."""
@@ -183,6 +221,7 @@ class RolloutLogIterator(grain.DatasetIterator):
 
         chosen = min(candidates, key=lambda shard: (shard_age(self._ds.directory, shard.name, self._ages), shard.name))
         self._pending[chosen.writer_id].popleft()
+        self._ages.pop(chosen.name, None)
         self._prefetch()
         return chosen
 
@@ -198,7 +237,7 @@ class RolloutLogIterator(grain.DatasetIterator):
         self._next_shard = {str(k): int(v) for k, v in state["next_shard"].items()}
         self._problems = int(state["problems"])
         self._shard, self._record, self._entries = None, 0, collections.deque()
-        self._pending, self._gap_since = {}, {}
+        self._pending, self._gap_since, self._listed = {}, {}, False
         if state["shard"] is not None:
             shard = ShardName.parse(state["shard"])
             if shard is None:

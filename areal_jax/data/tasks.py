@@ -106,7 +106,8 @@ def drop_long_prompts(
     records: Sequence[PromptRecord], prompt_length: Callable[[PromptRecord], int], max_tokens: int
 ) -> list[PromptRecord]:
     """The records whose rendered prompt has at most `max_tokens` tokens; the others are reported."""
-    kept, skipped = [], []
+    kept: list[PromptRecord] = []
+    skipped: list[PromptRecord] = []
     for record in records:
         (kept if prompt_length(record) <= max_tokens else skipped).append(record)
     for record in skipped[:_MAX_LOGGED_SKIPS]:

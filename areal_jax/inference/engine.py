@@ -17,18 +17,18 @@ changes; the caller (the generator) owns the allocator.
 
 The decoder's logits arrive with ids past the model's `vocab_limit` masked, so no slot ever samples
 an id the tokenizer cannot decode. Params are versioned (`VersionedParams`); the version is host-side
-bookkeeping for the generator. The engine's capacity and cache layout: `EngineConfig` (`engine_config.py`).
+bookkeeping for the generator. `load_params` makes the engine's own copy of each version (`engine_weights.py`),
+`warmup` compiles every program ahead of the first request (`engine_warmup.py`). The engine's capacity and
+cache layout: `EngineConfig` (`engine_config.py`).
 Legend: S slots, T cache length, V vocab, Y layers, K kv heads, H head dim.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import os
 from collections.abc import Sequence
-from functools import partial
+from typing import Any
 
 import flax.struct
 import jax
@@ -38,27 +38,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from areal_jax.inference.engine_config import EngineConfig
+from areal_jax.inference.engine_warmup import compile_programs
+from areal_jax.inference.engine_weights import EngineWeights, VersionedParams
 from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PagedSlots, PrefixEntries, pages_for
 from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache
-from areal_jax.models.lora import adapter_free, adapter_state, is_adapter_only, layer_slices
-from areal_jax.models.serving_weights import cast_for_serving, needs_cast
-from areal_jax.progress import Progress
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class VersionedParams:
-    """Model weights and the policy version that produced them. `layers` (with
-    `EngineConfig.decode_layer_copies`) holds each layer's weights again as separate arrays, which the decode
-    step reads in place; None: the decode step slices them out of the stacked ones."""
-
-    state: nnx.State
-    version: int
-    layers: tuple[nnx.State, ...] | None = None
 
 
 @flax.struct.dataclass
@@ -66,7 +54,7 @@ class Prefix:
     """One prefilled prompt: its KV cache (1 row of length Tb), the last prompt token's logits [V] and the
     length."""
 
-    cache: KVCache
+    cache: KVCache | PrefixEntries  # a paged engine's prefill makes `PrefixEntries` (its `insert` refuses them)
     logits: jax.Array
     length: jax.Array
 
@@ -109,7 +97,7 @@ def cache_shardings(model: ModelConfig, batch: int, length: int, mesh: Mesh) -> 
     k, h = model.num_kv_heads, model.resolved_head_dim
     key = NamedSharding(mesh, logical_to_spec(KEY_CACHE_AXES, (batch, k, h, length), mesh))
     value = NamedSharding(mesh, logical_to_spec(VALUE_CACHE_AXES, (batch, k, length, h), mesh))
-    return KVCache(k=key, v=value)
+    return KVCache(k=key, v=value)  # type: ignore[arg-type]  # a pytree of shardings, shaped like a KVCache
 
 
 def bucket_for(length: int, buckets: tuple[int, ...]) -> int:
@@ -148,7 +136,7 @@ class Engine:
         # The host reads each step's tokens on process 0: over a mesh of several processes they are
         # replicated (the emitted arrays are [S], tiny next to the step).
         spans_processes = mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
-        emitted_sharding = NamedSharding(mesh, PartitionSpec()) if spans_processes else None
+        emitted_sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None and spans_processes else None
         self._prefill = jax.jit(self._prefill_impl)
         self._prefill_batch = jax.jit(self._prefill_batch_impl)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
@@ -165,13 +153,7 @@ class Engine:
             donate_argnums=(2,),
             out_shardings=(self._decode_shardings, emitted_sharding),
         )
-        self._layer_states = jax.jit(lambda state: nnx.merge(self.graphdef, state).layer_states())
-        # LoRA: the base (and its layer copies) of the last full load; adapter-only versions are served over it
-        self._base: nnx.State | None = None
-        self._base_layers: tuple[nnx.State, ...] | None = None
-        self._adapter_layers = jax.jit(partial(layer_slices, num_layers=self.model_config.num_layers))
-        cast = needs_cast(state, self.model_config)
-        self._serving_cast = jax.jit(partial(cast_for_serving, cfg=self.model_config)) if cast else None
+        self._weights = EngineWeights(self.graphdef, state, self.model_config, self.param_shardings, self.layer_copies)
         self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
         # A paged step with no page-table change takes this no-op update: host data like every update, so
         # one program serves both.
@@ -191,60 +173,24 @@ class Engine:
     def samples_per_slot(self) -> int:
         return 1
 
-    @property
-    def casts_weights(self) -> bool:
-        """Whether `load_params` stores the weights in other dtypes (`models.serving_weights`: bf16 matmul
-        weights for bf16 compute); its result then never aliases the arrays it was given."""
-        return self._serving_cast is not None
-
-    def shardings_for(self, state: nnx.State) -> nnx.State:
-        """Where `load_params` places `state`: the engine's param shardings, or their adapter part for a LoRA
-        weight version that carries only adapters."""
-        return adapter_state(self.param_shardings) if self._adapters_only(state) else self.param_shardings
-
-    def _adapters_only(self, state: nnx.State) -> bool:
-        return self.model_config.lora is not None and is_adapter_only(state)
-
     def load_params(self, state: nnx.State, version: int) -> VersionedParams:
-        """Place weights on the engine's shardings (no host round trip when they are already on device), each
-        in its serving dtype (`casts_weights`).
+        """The engine's own copy of `state` on its shardings, each weight in its serving dtype
+        (`models.serving_weights`): one device-to-device copy (no host round trip; from devices that only
+        partly overlap the engine's, a copy and then the move: `engine_weights.py`). It shares no buffer with
+        `state`, which the caller may go on updating or donate as soon as this returns.
 
         With `model.lora`, a full state (the first version) also becomes the engine's base, kept once; a later
-        version may carry only the adapters (`lora.is_adapter_only`): they are placed and served over that base,
+        version may carry only the adapters (`lora.is_adapter_only`): they are copied and served over that base,
         applied inside each projection's matmul (docs/lora.md: measured against merging them per version), so a
         version moves and stores only adapter bytes and every program keeps its shapes (nothing recompiles)."""
-        if self._adapters_only(state):
-            return self._load_adapters(state, version)
-        if self._serving_cast is not None:
-            state = self._serving_cast(state)  # where `state` lives: the transfer then moves the smaller arrays
-        state = jax.device_put(state, self.param_shardings)
-        layers = self._layer_states(state) if self.layer_copies else None
-        if self.model_config.lora is not None:  # the base every adapter-only version is served over
-            self._base = adapter_free(state)
-            self._base_layers = None if layers is None else tuple(adapter_free(layer) for layer in layers)
-        return VersionedParams(state=state, version=version, layers=layers)
-
-    def _load_adapters(self, adapters: nnx.State, version: int) -> VersionedParams:
-        if self._base is None:
-            raise ValueError(
-                f"version {version} carries only LoRA adapters but the engine has no base yet: load the full "
-                "policy (base and adapters) once first"
-            )
-        if self._serving_cast is not None:
-            adapters = self._serving_cast(adapters)
-        adapters = jax.device_put(adapters, adapter_state(self.param_shardings))
-        state = nnx.merge_state(self._base, adapters)
-        layers = None
-        if self._base_layers is not None:
-            sliced = self._adapter_layers(adapters)
-            layers = tuple(nnx.merge_state(b, a) for b, a in zip(self._base_layers, sliced, strict=True))
-        return VersionedParams(state=state, version=version, layers=layers)
+        return self._weights.load(state, version)
 
     def init_decode_state(self) -> DecodeState:
         return self._init_decode_state()
 
     def _init_decode_state_impl(self) -> DecodeState:
         cfg, s, c = self.model_config, self.config.max_slots, self.config
+        cache: KVCache | PagedKVCache
         if c.paged:
             cache = PagedKVCache.zeros(cfg, s, c.pool_pages, c.page_size, c.max_pages)
         else:
@@ -375,7 +321,7 @@ class Engine:
         one-prompt `prefill`/`insert` of the JetStream API are compiled too with `single_prompt_api`.
 
         The programs are compiled, not run (at real size on CPU running them all costs minutes), several at
-        once (XLA compiles outside the GIL): one per CPU core, at most `WARMUP_THREADS`."""
+        once (XLA compiles outside the GIL): one per CPU core, at most `engine_warmup.WARMUP_THREADS`."""
         compile_programs(self, params, single_prompt_api)
 
     # -- compiled bodies -----------------------------------------------------------------------
@@ -385,6 +331,10 @@ class Engine:
 
     def _make_decode_shardings(self) -> DecodeState:
         slots, c = self.config.max_slots, self.config
+        # shardings in place of the arrays: a pytree shaped like a DecodeState, not one
+        cache: Any
+        per_slot: Any
+        keys: Any
         if self.mesh is None:
             cache = per_slot = keys = self._single()
         else:
@@ -451,9 +401,12 @@ class Engine:
         def put(target: jax.Array, values: jax.Array) -> jax.Array:
             return target.at[slots_B].set(values, mode="drop")
 
+        cache: KVCache | PagedKVCache
         if pages_BxW is None:
+            assert isinstance(ds.cache, KVCache) and isinstance(batch.cache, KVCache)  # a dense engine's
             cache = ds.cache.put_rows(batch.cache, slots_B)
         else:
+            assert isinstance(ds.cache, PagedKVCache) and isinstance(batch.cache, PrefixEntries)  # a paged engine's
             cache = ds.cache.insert(batch.cache, slots_B, pages_BxW)
         return DecodeState(
             cache=cache,
@@ -474,12 +427,14 @@ class Engine:
         # is ignored. Active slots are always below attend_length.
         limit = self.config.max_length if attend_length is None else attend_length
         positions = jnp.minimum(ds.positions, limit - 1)
+        assert isinstance(ds.cache, KVCache)  # a dense engine's
         logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length, layers)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
         emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs)
-        new_state = ds.replace(
+        new_state = dataclasses.replace(
+            ds,
             cache=cache,
             positions=ds.positions + 1,
             tokens=tokens,
@@ -497,6 +452,7 @@ class Engine:
         attend_pages: int,
     ) -> tuple[DecodeState, ResultTokens]:
         model = nnx.merge(self.graphdef, state)
+        assert isinstance(ds.cache, PagedKVCache)  # a paged engine's
         cache = ds.cache.update_table(page_updates_3xS)
         # Idle slots' table rows have no page (their writes are dropped); their positions are clamped so
         # they index the table and the mask like any slot.
@@ -508,8 +464,9 @@ class Engine:
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
         emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs)
-        new_state = ds.replace(
-            cache=cache.replace(k=k, v=v),
+        new_state = dataclasses.replace(
+            ds,
+            cache=dataclasses.replace(cache, k=k, v=v),
             positions=ds.positions + 1,
             tokens=tokens,
             logprobs=logprobs,
@@ -523,105 +480,5 @@ def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh) 
     weights (replicated along the other axes: any slot may hold any page), the page table replicated."""
     shape = (model.num_kv_heads, config.pool_pages, config.page_size, model.resolved_head_dim)
     pool = NamedSharding(mesh, logical_to_spec(PAGE_POOL_AXES, shape, mesh))
-    return PagedKVCache(k=pool, v=pool, page_table=NamedSharding(mesh, PartitionSpec()))
-
-
-# Programs `Engine.warmup` compiles at once: each XLA compile holds its own memory, so not one per core on a
-# big host.
-WARMUP_THREADS = 4
-
-
-def _specs(lowered: jax.stages.Lowered, compiled: jax.stages.Compiled) -> object:
-    """The outputs of a compiled program as abstract arrays with their shardings: what a call receiving them
-    is lowered with."""
-    return jax.tree.map(
-        lambda info, sharding: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding),
-        lowered.out_info,
-        compiled.output_shardings,
-    )
-
-
-def _host(shape: tuple[int, ...], dtype: type) -> jax.ShapeDtypeStruct:
-    """A host (numpy) argument of an engine call, as its program sees it."""
-    return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
-
-
-def compile_programs(engine: Engine, params: VersionedParams, single_prompt_api: bool = False) -> None:
-    """`Engine.warmup`: every program lowered with the arguments its calls pass (abstract where they are host
-    data or another program's output) and compiled, in a thread pool; nothing runs."""
-    decode_state = engine.init_decode_state()
-    state, layers = params.state, params.layers
-    i32, u32, f32 = np.int32, np.uint32, np.float32
-
-    paged = engine.config.paged
-
-    def batched(bucket: int, rows: int) -> None:
-        lowered = engine._prefill_batch.lower(state, _host((rows, bucket), i32), _host((rows,), i32))
-        compiled = lowered.compile()
-        host = [
-            _host((rows,), i32),
-            _host((rows, 2), u32),
-            _host((rows,), f32),
-            _host((rows,), i32),
-            _host((rows,), f32),
-        ]
-        if paged:
-            host.append(_host((rows, engine.config.insert_pages(bucket)), i32))
-        engine._insert_batch.lower(_specs(lowered, compiled), decode_state, *host).compile()
-
-    def single(bucket: int) -> None:
-        lowered = engine._prefill.lower(state, _host((bucket,), i32), _host((), i32))
-        prefix = _specs(lowered, lowered.compile())
-        key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # key_data of a device key
-        args = (_host((), i32), key, _host((), f32), _host((), i32), _host((), f32))
-        engine._insert.lower(prefix, decode_state, *args).compile()
-
-    def generate(bucket: int) -> None:
-        if paged:
-            updates = _host(engine._no_page_updates.shape, i32)
-            pages = pages_for(bucket, engine.config.page_size)
-            engine._generate_paged.lower(state, layers, decode_state, updates, pages).compile()
-        else:
-            attend_length = None if bucket == engine.config.max_length else bucket
-            engine._generate.lower(state, layers, decode_state, attend_length).compile()
-
-    tasks = [(f"decode step attending {b} positions", generate, (b,)) for b in engine.buckets]
-    tasks += [
-        (f"prefill and insert of {r} prompts, length {b}", batched, (b, r))
-        for b in engine.buckets
-        for r in engine.prefill_rows
-    ]
-    single_prompt_api = single_prompt_api and not paged  # the one-prompt insert is the dense cache's
-    if single_prompt_api:
-        tasks += [(f"prefill and insert of one prompt, length {b}", single, (b,)) for b in engine.buckets]
-    programs = len(engine.buckets) * (1 + 2 * len(engine.prefill_rows) + (2 if single_prompt_api else 0))
-    progress = Progress(f"engine warm-up: compiling {programs} programs, tasks", len(tasks), log=logger)
-    threads = max(1, min(WARMUP_THREADS, os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="areal-warmup") as pool:
-        futures = {pool.submit(fn, *args): what for what, fn, args in tasks}
-        for future in concurrent.futures.as_completed(futures):
-            future.result()
-            progress.advance(futures[future])
-    progress.done(f"{len(engine.buckets)} length buckets x {len(engine.prefill_rows)} row buckets, {threads} at once")
-
-
-def warm_up(engine: Engine, params: VersionedParams, single_prompt_api: bool = False) -> None:
-    """Warm-up through `engine`'s public calls, which run each program once (so an engine that mirrors them,
-    `system.mirrored_engine`, warms up its mirrors)."""
-    decode_state = engine.init_decode_state()
-    sampling = SamplingParams()
-    paged = engine.config.paged
-    for bucket in engine.buckets:
-        length = bucket - 1  # the pending token then sits at position bucket - 1: attends `bucket` entries
-        if single_prompt_api and not paged:
-            prefix = engine.prefill(params, np.zeros(bucket, np.int32), length)
-            decode_state = engine.insert(prefix, decode_state, 0, sampling, jax.random.key(0))
-        for rows in engine.prefill_rows:
-            batch = engine.prefill_batch(params, [[1] * length] * rows)
-            if paged:  # slot 0 on the first pages: what an insert of this bucket can write
-                pages = [list(range(engine.config.insert_pages(bucket)))]
-                decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)), pages)
-            else:
-                decode_state = engine.insert_batch(batch, decode_state, [0], [sampling], np.zeros((1, 2)))
-        decode_state, result = engine.generate(params, decode_state, max_position=length)
-    jax.block_until_ready(result)
+    # a pytree of shardings, shaped like a PagedKVCache: one sharding for every layer's pool
+    return PagedKVCache(k=pool, v=pool, page_table=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]

@@ -64,12 +64,13 @@ from typing import Literal
 import numpy as np
 from flax import nnx
 
-from areal_jax.inference.engine import DecodeState, Engine, VersionedParams, bucket_for
+from areal_jax.inference.engine import DecodeState, PrefixBatch, VersionedParams, bucket_for
 from areal_jax.inference.inbox import Abort, Close, Inbox, Submit, Update, resolve
 from areal_jax.inference.paged import PagedSlots
 from areal_jax.inference.requests import DispatchedStep, FinishReason, GenerationResult, PrefillJob, Request, Sample
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.inference.seeds import mix_seed, sample_key_words
+from areal_jax.inference.serving_engine import ServingEngine
 from areal_jax.inference.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -93,11 +94,11 @@ class GeneratorStats:
 
 
 class Generator:
-    """Continuous batching over an `Engine`; see the module docstring."""
+    """Continuous batching over an `Engine` (or any `ServingEngine`); see the module docstring."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServingEngine,
         params: VersionedParams,
         *,
         detokenize: Callable[[Sequence[int]], str] | None = None,
@@ -134,7 +135,11 @@ class Generator:
     # -- public API: each call posts a command to the loop -----------------------------------------
 
     def submit(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        n: int = 1,
+        request_id: str | None = None,
     ) -> concurrent.futures.Future[list[GenerationResult]]:
         """Queue a prompt for n samples; the future resolves with the n results, in sample order (or
         fails with ValueError when `request_id` is already in flight)."""
@@ -159,7 +164,11 @@ class Generator:
         return future
 
     async def generate(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, n: int = 1, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        sampling: SamplingParams,
+        n: int = 1,
+        request_id: str | None = None,
     ) -> list[GenerationResult]:
         """`submit` awaited; a cancelled caller aborts the request (freeing its slots) and the generator goes on."""
         request_id = request_id or f"req-{next(self._ids)}"
@@ -323,6 +332,7 @@ class Generator:
     def _free_slot(self, slot: int) -> None:
         """Take the sample out of `slot` and give its KV pages back."""
         sample = self._slots[slot]
+        assert sample is not None  # a slot in use
         self._slots[slot] = None
         sample.slot = None
         if self._pages is not None:
@@ -332,6 +342,7 @@ class Generator:
         """Free `slot` and queue its sample first for a re-prefill of prompt + tokens so far (its step in
         flight handled: every token it sampled is in `output_ids`)."""
         sample = self._slots[slot]
+        assert sample is not None  # a slot in use
         self._free_slot(slot)
         self._jobs.appendleft(
             PrefillJob(sample.request.prompt_ids + tuple(sample.output_ids), collections.deque([sample]))
@@ -364,13 +375,13 @@ class Generator:
         self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], self._jobs)
         by_prefix: dict[int, list[tuple[PrefillJob, Sample, int]]] = collections.defaultdict(list)
         for entry in placed:
-            by_prefix[id(entry[0].prefix[0])].append(entry)
+            by_prefix[id(_prefix(entry[0])[0])].append(entry)
         for entries in by_prefix.values():
-            batch = entries[0][0].prefix[0]
+            batch = _prefix(entries[0][0])[0]
             # round r inserts the r-th sample of every prompt in the batch: one call per round
             per_row: dict[int, list[tuple[PrefillJob, Sample, int]]] = collections.defaultdict(list)
             for entry in entries:
-                per_row[entry[0].prefix[1]].append(entry)
+                per_row[_prefix(entry[0])[1]].append(entry)
             for round_index in range(max(len(v) for v in per_row.values())):
                 chosen = {row: items[round_index] for row, items in per_row.items() if round_index < len(items)}
                 used_rows = max(chosen) + 1
@@ -383,7 +394,9 @@ class Generator:
                     samplings[row] = sample.request.sampling
                     key_data[row] = sample_key_words(*sample.seed_words, len(sample.output_ids))
                     if self._pages is not None:
-                        pages[row] = self._pages.assign(slot, len(job.tokens) + 1)
+                        assigned = self._pages.assign(slot, len(job.tokens) + 1)
+                        assert assigned is not None  # counted free above
+                        pages[row] = assigned
                 if self._pages is None:
                     self._decode_state = self.engine.insert_batch(batch, self._decode_state, slots, samplings, key_data)
                 else:
@@ -439,10 +452,10 @@ class Generator:
 
     def _grow_pages(self) -> bool:
         """Give every active slot the page its next write lands in; False when the pages ran out."""
+        pages = self._pages
+        assert pages is not None  # a paged cache only
         return all(
-            self._pages.grow(slot, self._position(sample))
-            for slot, sample in enumerate(self._slots)
-            if sample is not None
+            pages.grow(slot, self._position(sample)) for slot, sample in enumerate(self._slots) if sample is not None
         )
 
     def _make_room(self) -> None:
@@ -453,6 +466,7 @@ class Generator:
             newest = max((s for s in self._slots if s is not None), key=lambda s: s.admitted)
             self.stats.preemptions += 1
             logger.debug("KV pages exhausted: %s sample %d back to the queue", newest.request.request_id, newest.index)
+            assert newest.slot is not None  # an active sample
             self._requeue(newest.slot)
 
     def _dispatch(self) -> DispatchedStep | None:
@@ -543,3 +557,8 @@ class Generator:
             del self._requests[request.request_id]
             self._count_in_flight(-1)
             resolve(request.future, [s.result for s in request.samples])
+
+
+def _prefix(job: PrefillJob) -> tuple[PrefixBatch, int]:
+    assert job.prefix is not None  # `_admit` prefills every job it places before reading its prefix
+    return job.prefix

@@ -26,6 +26,7 @@ Legend: S slots, T padded prompt length.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ from areal_jax.models.tokenizer import CHAR_SPEC, DEFAULT_ALPHABET, CharTokenize
 from areal_jax.sharding import logical_to_spec
 
 if not hasattr(jax, "tree_map"):
-    jax.tree_map = jax.tree.map  # called by JetStream 0.2.2's orchestrator (delete_pytree)
+    jax.tree_map = jax.tree.map  # type: ignore[attr-defined]  # called by JetStream 0.2.2's orchestrator (delete_pytree)
 
 NO_TOKEN = -1
 # The prefill buckets of JetStream's `token_utils.pad_tokens`; the engine's max_prefill_length must be one.
@@ -194,10 +195,11 @@ class JetStreamEngine(engine_api.Engine):
         if mesh is None:
             return SingleDeviceSharding(self.engine.device)
         model = self.engine.model_config
+        # a Prefix-shaped pytree of shardings, the form JetStream's API asks for (not a Prefix of arrays)
         return Prefix(
             cache=cache_shardings(model, 1, self.engine.config.max_length, mesh),
-            logits=NamedSharding(mesh, logical_to_spec(("vocab",), (model.vocab_size,), mesh)),
-            length=NamedSharding(mesh, PartitionSpec()),
+            logits=NamedSharding(mesh, logical_to_spec(("vocab",), (model.vocab_size,), mesh)),  # type: ignore[arg-type]
+            length=NamedSharding(mesh, PartitionSpec()),  # type: ignore[arg-type]
         )
 
     # -- tokenizer -------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ class JetStreamEngine(engine_api.Engine):
         if length < 1:
             # Nothing to condition on: a prefix that claims a full cache, so the request ends without output.
             prefix = self.engine.prefill(params, tokens_T, 1)
-            return prefix.replace(length=jnp.asarray(self.engine.config.max_length, jnp.int32))
+            return dataclasses.replace(prefix, length=jnp.asarray(self.engine.config.max_length, jnp.int32))
         return self.engine.prefill(params, tokens_T, length)
 
     def insert(self, prefix: Prefix, decode_state: JetStreamDecodeState, slot: int) -> JetStreamDecodeState:

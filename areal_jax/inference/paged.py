@@ -18,6 +18,8 @@ W pages written by one insert.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -224,4 +226,4 @@ class PagedKVCache:
         clear_S, column_S, page_S = updates_3xS[0], updates_3xS[1], updates_3xS[2]
         table = jnp.where(clear_S[:, None] != 0, self.num_pages, self.page_table)
         rows_S = jnp.arange(table.shape[0])
-        return self.replace(page_table=table.at[rows_S, column_S].set(page_S, mode="drop"))
+        return dataclasses.replace(self, page_table=table.at[rows_S, column_S].set(page_S, mode="drop"))

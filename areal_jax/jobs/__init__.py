@@ -1,1 +1,1 @@
-"""The jobs: what `areal-jax` runs (train, trainer, rollout, launch), assembled from the system layer."""
+"""The jobs: what `areal-jax` runs (train, trainer, rollout, launch, sft, demo), assembled from the system layer."""

@@ -2,7 +2,7 @@
 
 It waits for the trainer's first weight version in `<run>/weights`, loads it onto this host's devices and
 runs its `RolloutSide` (`system/rollout_side.py`, server i of N: ids g % N == i, its share of the staleness
-bound; where it goes on, its writer id, applying a version and the evaluation schedule are written there,
+bound; where it goes on, its writer id, applying a version and the held-out evaluations are written there,
 the same as in the one-process run). A follower thread polls the weight path (`weight_paths.py`: the
 store, or the direct path's announcements beside it) and applies each new version. Its status file counts
 the loads per path with the last one's load time and lag, which the trainer's metrics report. The server
@@ -180,7 +180,6 @@ def _serve_side(
     follower.start()
     serving = _Serving(cfg, server, control, side, loaded)
     try:
-        serving.evaluate_first()
         ended_by = serving.run(stop_event)
     finally:
         stop_event.set()
@@ -213,23 +212,25 @@ def _base_loader(cfg: ExperimentConfig, mesh: Mesh, tokenizer: Any) -> Callable[
 
 def _newest(subscriber: WeightSubscriber, target: Any) -> tuple[Any, int]:
     """The newest version's params, loaded as `target` says, and its number."""
-    weights = subscriber.load(subscriber.latest_version(), target)
+    latest = subscriber.latest_version()
+    assert latest is not None  # the trainer publishes a version before it says it is ready (`_wait_for_trainer`)
+    weights = subscriber.load(latest, target)
     return weights.params, weights.version
 
 
 def _join_processes(cfg: ExperimentConfig) -> CommandSender | CommandReceiver:
-    """Connect the server's processes: process 0 listens, shares its address (a collective), the others
-    connect (`command_channel.py`)."""
+    """Connect the server's processes: process 0 listens, shares its address and the channel's secret (a
+    collective: in memory, never on disk), the others connect (`command_channel.py`)."""
     processes = TrainerProcesses()
     timeout = cfg.distributed.peer_timeout_s
     if not processes.primary:
-        address = processes.share(None)
+        address, secret = processes.share(None)
         try:
-            return CommandReceiver(address, processes.index, timeout)
+            return CommandReceiver(address, bytes.fromhex(secret), processes.index, timeout)
         except OSError as err:
             raise RolloutServerError(f"process {processes.index} cannot reach process 0 at {address}: {err}") from err
     sender = CommandSender(_reachable_host(cfg), processes.count - 1, timeout, _exit_on_lost)
-    processes.share(sender.address)
+    processes.share([sender.address, sender.secret.hex()])
     try:
         sender.accept(timeout)
     except PeerLost as err:
@@ -349,7 +350,7 @@ class _WeightFollower(threading.Thread):
 
 
 class _Serving:
-    """The server's main loop: status files, held-out evaluations (server 0), and the end of serving."""
+    """The server's main loop: status files and the end of serving."""
 
     def __init__(
         self, cfg: ExperimentConfig, server: int, control: ControlFiles, side: RolloutSide, loaded: queue.Queue[_Loaded]
@@ -358,11 +359,6 @@ class _Serving:
         self.versions_loaded = 0
         self.loads_by_source: dict[str, int] = {}
         self.weights: dict[str, float] = {DIRECT_FALLBACKS: 0} if cfg.cluster.weight_transfer == "direct" else {}
-
-    def evaluate_first(self) -> None:
-        """The starting policy of a new run (version 0) when the evaluation schedule says so."""
-        if self.side.generator.version == 0:
-            self.side.evaluate_if_due(0)
 
     def run(self, stop_event: threading.Event) -> str:
         every = self.cfg.cluster.status_every_s
@@ -382,7 +378,6 @@ class _Serving:
                 news = None
             if news is not None:
                 self._count_load(news)
-                self.side.evaluate_if_due(news.version)
             if time.monotonic() >= next_status:
                 self.write_status()
                 next_status = time.monotonic() + every

@@ -6,10 +6,10 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
+from areal_jax.jobs.sft import warm_start_checkpoint
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.models.tokenizer import Tokenizer
-from areal_jax.sft import warm_start_checkpoint
 from areal_jax.system.assembly import checkpoint_config, random_policy
 
 
@@ -18,7 +18,7 @@ def load_policy(
 ) -> Decoder:
     """The starting policy: the HF checkpoint `checkpoint` (default `cfg.hf_checkpoint`), else the run's
     supervised warm start when `warm_start.steps` > 0 (cached in the run directory, trained on first use;
-    see `areal_jax.sft`), else a random init of `cfg.model` with `cfg.seed`; placed on `mesh`, its padded
+    see `areal_jax.jobs.sft`), else a random init of `cfg.model` with `cfg.seed`; placed on `mesh`, its padded
     vocabulary masked to the tokenizer's."""
     source = checkpoint if checkpoint is not None else cfg.hf_checkpoint
     if source is None and cfg.warm_start.steps:

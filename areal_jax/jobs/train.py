@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from flax import nnx
@@ -39,6 +40,7 @@ from areal_jax.data.pipeline import build_pipeline
 from areal_jax.data.tasks import TaskStream
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.engine import Engine
+from areal_jax.jobs.sft import cached_warm_start
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.init import abstract_like
@@ -48,8 +50,7 @@ from areal_jax.profiling import ProfileWindow
 from areal_jax.reporting.run_reporter import RunReporter
 from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.workflow import RolloutWorkflow
-from areal_jax.run_layout import PROFILE_DIR
-from areal_jax.sft import cached_warm_start
+from areal_jax.run_layout import EVAL_DIR, PROFILE_DIR
 from areal_jax.system import resources
 from areal_jax.system.assembly import (
     build_meshes,
@@ -60,6 +61,7 @@ from areal_jax.system.assembly import (
     export_policy,
     policy_config,
 )
+from areal_jax.system.eval_results import drop_evaluations_after
 from areal_jax.system.rollout_side import RolloutSide, open_rollout_side
 from areal_jax.system.run_dir import check_run_dir, start_run_dir
 from areal_jax.system.run_mirror import mirroring, pull_records, reset_local_copy
@@ -70,7 +72,7 @@ from areal_jax.system.trainer_processes import SharedBatches
 from areal_jax.system.training_loop import Rollouts, TrainingLoop
 from areal_jax.trainer.checkpoint import TrainCheckpointer, nonfinite_leaves
 from areal_jax.trainer.trainer import Trainer
-from areal_jax.weights.in_process import InProcessPublisher, unaliased_for
+from areal_jax.weights.in_process import InProcessPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +162,7 @@ def train(
             if resume:
                 state, step = restore(checkpointer, trainer)
                 processes.on_primary(lambda: continue_log(cfg, state, step))
+                processes.on_primary(lambda: _drop_evaluations_after(cfg, step))
             side = rollouts(TrainingRun(model, workflow, stream, heldout, processes))
             return _run(cfg, trainer, state, checkpointer, stops, processes, side, len(stream), started)
         finally:
@@ -211,6 +214,7 @@ def _run(
                 if shared is not None:
                     shared.close()
                 checkpointer.wait()
+        loop.record_evaluations()  # those the rollout side finished as it closed
         final_dir = _finish(cfg, trainer, stops, processes, rollouts)
         final = [f"final policy (HF): {final_dir}"] if final_dir else []
         return RunSummary(
@@ -287,6 +291,13 @@ def _finish(
     return str(export_policy(cfg, final, cfg.layout.hf_final, base=base))  # every process gathers
 
 
+def _drop_evaluations_after(cfg: ExperimentConfig, step: int) -> None:
+    """A resumed run's held-out evaluations of versions after its checkpoint: they are made again."""
+    drop_evaluations_after(cfg.layout.eval_dir, step)
+    if storage.is_remote(cfg.run_location):  # where rollout server processes' evaluations arrive
+        drop_evaluations_after(storage.join(cfg.run_location, EVAL_DIR), step)
+
+
 def _outputs(cfg: ExperimentConfig) -> list[str]:
     """The run's outputs besides the reporter's, for its closing summary."""
     location = cfg.run_location
@@ -316,7 +327,7 @@ def _check_several_processes(cfg: ExperimentConfig, processes: TrainerProcesses)
     """Refuse what several trainer processes cannot do: train the warm start (each would train its own)."""
     if processes.count == 1 or cfg.hf_checkpoint is not None or not cfg.warm_start.steps:
         return
-    from areal_jax.sft import cached_warm_start  # the sft job assembles itself from the system layer
+    from areal_jax.jobs.sft import cached_warm_start  # the sft job assembles itself from the system layer
 
     if cached_warm_start(cfg) is None:
         raise ConfigError(
@@ -342,7 +353,7 @@ class InProcessRollouts:
         with open_rollout_side(
             cfg,
             engine,
-            unaliased_for(engine, trainer.policy_state()),  # the whole policy once; LoRA versions: adapters alone
+            trainer.policy_state(),  # the whole policy once; LoRA versions: adapters alone
             trainer.version,
             run.workflow,
             run.stream,
@@ -350,7 +361,7 @@ class InProcessRollouts:
         ) as side:
             self.side = side
             self.done = side.exhausted
-            yield InProcessPublisher(engine, side.apply)
+            yield InProcessPublisher(side.apply)
 
     def stop(self) -> None:
         if self.side is not None:
@@ -371,5 +382,9 @@ class InProcessRollouts:
     def interruptions(self) -> int:
         return 0 if self.side is None else self.side.generator.stats.interruptions
 
-    def evaluate_if_due(self, version: int) -> dict[str, float]:
-        return {} if self.side is None else self.side.evaluate_if_due(version)
+    def evaluations(self) -> Path:
+        return self.cfg.layout.eval_dir
+
+    def finish_evaluations(self, version: int) -> None:
+        if self.side is not None:
+            self.side.finish_evaluations()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,8 +34,11 @@ from areal_jax.inference.generator import GeneratorStats
 from areal_jax.jobs.train import RunSummary, train
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.reporting.metric_keys import QUEUE
+from areal_jax.run_layout import EVAL_DIR
 from areal_jax.sharding import make_mesh
 from areal_jax.system.cluster import ControlFiles, initialize_distributed, sum_statuses, weight_path_stats
+from areal_jax.system.eval_results import is_evaluated
+from areal_jax.system.heldout_evaluator import eval_due
 from areal_jax.system.stop_control import StopControl
 from areal_jax.system.weight_paths import open_publisher
 from areal_jax.trainer.trainer import Trainer
@@ -108,8 +112,23 @@ class RemoteRollouts:
     def interruptions(self) -> int:
         return int(sum_statuses(self.control.statuses(), ("interruptions",))["interruptions"])
 
-    def evaluate_if_due(self, version: int) -> dict[str, float]:
-        return {}  # rollout server 0 evaluates the versions it loads (`RolloutSide.evaluate_if_due`)
+    def evaluations(self) -> str:
+        return storage.join(self.cfg.run_location, EVAL_DIR)  # server 0's, uploaded there on a gs:// run
+
+    def finish_evaluations(self, version: int) -> None:
+        """Waits for server 0's evaluation of the last version when it is due: at most
+        `cluster.start_timeout_s`, less when server 0 fails or ends first."""
+        if not (eval_due(self.cfg, version) and self.cfg.dataset.heldout):
+            return
+        deadline = time.monotonic() + self.cfg.cluster.start_timeout_s
+        while True:
+            ended = storage.exists(self.control.done_path(0))  # it wrote its evaluations before it ended
+            if is_evaluated(self.evaluations(), version):
+                return
+            if ended or self.failed() or time.monotonic() > deadline:
+                logger.warning("the held-out evaluation of version %d did not arrive; it is not recorded", version)
+                return
+            time.sleep(self.cfg.cluster.weights_poll_s)
 
 
 class _AllDone:

@@ -102,7 +102,7 @@ def xla_decode_attention(
     ) * (h**-0.5)
     scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, jnp.finfo(jnp.float32).min)
     probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1)
-    out_BxKxGxH, start = 0.0, 0
+    out_BxKxGxH, start = jnp.zeros((), jnp.float32), 0
     for v in v_segments:
         probs = probs_BxKxGxS[..., start : start + v.shape[2]].astype(v.dtype)
         out_BxKxGxH = out_BxKxGxH + jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)

@@ -269,7 +269,9 @@ class Decoder(nnx.Module):
         b, t = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
-        x_BxTxD, (k_YxBxTxKxH, v_YxBxTxKxH) = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=True)
+        x_BxTxD, kv = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=True)
+        assert kv is not None  # keep_kv
+        k_YxBxTxKxH, v_YxBxTxKxH = kv
         last_BxD = jnp.take_along_axis(x_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32
@@ -315,13 +317,13 @@ class Decoder(nnx.Module):
         layer_states = self.layer_states() if layer_states is None else layer_states
         x_Bx1xD = self._embed(tokens_B[:, None])
         keys, values = [], []
-        for layer_state, k_segments, v_segments in zip(layer_states, cache.k, cache.v, strict=True):
+        for layer_state, k_cached, v_cached in zip(layer_states, cache.k, cache.v, strict=True):
             layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
-            k_BxKxH, v_BxKxH = k[:, 0].astype(k_segments[0].dtype), v[:, 0].astype(v_segments[0].dtype)
+            k_BxKxH, v_BxKxH = k[:, 0].astype(k_cached[0].dtype), v[:, 0].astype(v_cached[0].dtype)
             # Written before it is read: the attention then reads the updated array itself, where reading
             # first would make XLA keep (copy) the old one for the read.
-            k_segments, v_segments = list(k_segments), list(v_segments)
+            k_segments, v_segments = list(k_cached), list(v_cached)
             read_k, read_v = [], []
             for j, ((a, b), index) in enumerate(zip(spans, index_B, strict=True)):
                 k_segments[j] = k_segments[j].at[rows_B, :, :, index].set(k_BxKxH, mode="drop")

@@ -21,6 +21,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from flax.typing import PathParts
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors import safe_open
@@ -172,7 +173,7 @@ def _one(to_ours: Callable[[np.ndarray], np.ndarray], to_hf: Callable[[np.ndarra
     return (lambda ws: to_ours(ws[0]), lambda w: [to_hf(w)])
 
 
-def tensor_mappings(cfg: ModelConfig) -> dict[tuple[str, ...], TensorMapping]:
+def tensor_mappings(cfg: ModelConfig) -> dict[PathParts, TensorMapping]:
     """Our state path -> HF tensors, for every parameter of `cfg`'s decoder."""
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     g = n // k
@@ -269,8 +270,8 @@ def _expected_hf_shapes(mapping: TensorMapping, our_shape: tuple[int, ...]) -> l
 
 def _check_tensors(
     reader: _SafetensorsReader,
-    mappings: Mapping[tuple[str, ...], TensorMapping],
-    shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+    mappings: Mapping[PathParts, TensorMapping],
+    shapes: Mapping[PathParts, tuple[int, ...]],
     cfg: ModelConfig,
 ) -> None:
     expected_names: set[str] = set()
@@ -308,7 +309,8 @@ def _array_from_file(
         layers = range(*index[0].indices(num_layers))
         return np.stack([layer_tensor(i)[index[1:]] for i in layers], axis=0)
 
-    return jax.make_array_from_callback(shape, sharding, shard)
+    # jax annotates the callback's index `Index | None` but asserts it is not None before calling back
+    return jax.make_array_from_callback(shape, sharding, shard)  # type: ignore[arg-type]
 
 
 def load_hf_checkpoint(
@@ -449,9 +451,10 @@ def save_hf_checkpoint(
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(model_config_to_hf(cfg), indent=2))
-    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, tmp / name)
     directory.parent.mkdir(parents=True, exist_ok=True)
     previous = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():

@@ -53,6 +53,8 @@ class QKVProjection(nnx.Module):
         axes = ("embed", "kv_heads", "qkv", "head_dim")
         self.kernel = _param(rngs, (d, k, self.group + 2, h), axes, cfg, cfg.initializer_range)
         self.bias = _const((k, self.group + 2, h), axes[1:], cfg, 0.0) if cfg.qkv_bias else None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg, axis_name="head_dim")
             self.k_norm = RMSNorm(h, cfg, axis_name="head_dim")

@@ -119,7 +119,8 @@ def split_trainable(cfg: ModelConfig, state: nnx.State) -> tuple[nnx.State, nnx.
     """(trainable, frozen) parts of a model's state (`trainable_filter`); frozen is empty without `lora`."""
     if cfg.lora is None:
         return state, nnx.State({})
-    return nnx.split_state(state, adapter_filter, ...)
+    trainable, frozen = nnx.split_state(state, adapter_filter, ...)
+    return trainable, frozen
 
 
 def adapter_state(state: nnx.State) -> nnx.State:

@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -92,7 +92,7 @@ def lora_config_from_peft(config: dict[str, Any]) -> LoRAConfig:
     if unknown:
         raise CheckpointError(f"{ADAPTER_CONFIG}: target_modules {unknown} are not supported; known: {list(by_module)}")
     targets = tuple(t for t in TARGETS if MODULES[t].split(".")[-1] in modules)
-    init = "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"
+    init: Literal["kaiming", "gaussian"] = "gaussian" if config.get("init_lora_weights") == "gaussian" else "kaiming"
     dropout = float(config.get("lora_dropout") or 0.0)  # training only: serving and evaluation never drop out
     return LoRAConfig(
         rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets, init=init, dropout=dropout

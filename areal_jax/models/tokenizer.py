@@ -2,30 +2,23 @@
 
 `HFTokenizer.from_dir` reads a Hugging Face tokenizer directory (`tokenizer.json`, `tokenizer_config.json`,
 optionally `special_tokens_map.json`, `generation_config.json`, `chat_template.jinja`) through the `tokenizers`
-package and renders chat templates with jinja2 in the same sandboxed environment `transformers` uses, so the
-text and ids match `AutoTokenizer.apply_chat_template`. `CharTokenizer` is a fixed-alphabet tokenizer for
+package; its chat templates render as `transformers` renders them (`chat_template.py`), so the text and ids
+match `AutoTokenizer.apply_chat_template`. `CharTokenizer` is a fixed-alphabet tokenizer for
 synthetic tasks. Both satisfy the `Tokenizer` protocol; `load_tokenizer(spec)` picks one from a config string.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 
-Messages = Sequence[Mapping[str, Any]]
+from areal_jax.models.chat_template import ChatTemplates, Messages, read_chat_templates
 
 CHAR_SPEC = "char"
-DEFAULT_TEMPLATE = "default"
-TOOL_USE_TEMPLATE = "tool_use"
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for bytes that are not (yet) a whole character
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -104,36 +97,6 @@ def load_tokenizer(spec: str) -> HFTokenizer | CharTokenizer:
 # --------------------------------------------------------------------------------------------- HF directories
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@functools.cache
-def _chat_template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    """The jinja2 environment `transformers` renders chat templates in."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -162,31 +125,6 @@ def _added_token(value: Any, where: str, special: bool) -> tokenizers.AddedToken
         return tokenizers.AddedToken(content, special=special)
     flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
     return tokenizers.AddedToken(content, **{k: bool(value[k]) for k in flags if k in value})
-
-
-def _chat_templates(directory: Path, config: Mapping[str, Any]) -> dict[str, str]:
-    """Named chat templates; `chat_template.jinja` and `additional_chat_templates/` win over the config entry."""
-    from_files: dict[str, str] = {}
-    default_file = directory / "chat_template.jinja"
-    if default_file.is_file():
-        from_files[DEFAULT_TEMPLATE] = default_file.read_text(encoding="utf-8")
-    extra_dir = directory / "additional_chat_templates"
-    if extra_dir.is_dir():
-        for template_file in sorted(extra_dir.glob("*.jinja")):
-            from_files[template_file.stem] = template_file.read_text(encoding="utf-8")
-    if from_files:
-        return from_files
-    entry = config.get("chat_template")
-    where = f"{directory / 'tokenizer_config.json'}: chat_template"
-    if entry is None:
-        return {}
-    if isinstance(entry, str):
-        return {DEFAULT_TEMPLATE: entry}
-    if isinstance(entry, list) and all(
-        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in entry
-    ):
-        return {t["name"]: t["template"] for t in entry}
-    raise ValueError(f"{where}: expected a string or a list of {{'name', 'template'}} dicts, got {entry!r}")
 
 
 def _special_tokens(
@@ -239,7 +177,7 @@ def _eos_ids_from_generation_config(path: Path, generation_config: Mapping[str, 
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer directory, read through `tokenizers` and rendered through jinja2."""
+    """A Hugging Face tokenizer directory, read through `tokenizers`; its chat templates render as in `transformers`."""
 
     def __init__(
         self,
@@ -258,14 +196,8 @@ class HFTokenizer:
         self.special_tokens = dict(special_tokens)
         self.stop_strings = tuple(stop_strings)
         self._ids = {name: backend.token_to_id(token) for name, token in self.special_tokens.items()}
-        env = _chat_template_environment()
-        self.chat_templates = dict(chat_templates)
-        self._compiled: dict[str, jinja2.Template] = {}
-        for name, source in self.chat_templates.items():
-            try:
-                self._compiled[name] = env.from_string(source)
-            except jinja2.exceptions.TemplateSyntaxError as e:
-                raise ValueError(f"{path}: chat template {name!r} does not compile: {e}") from e
+        self._templates = ChatTemplates(chat_templates, path)
+        self.chat_templates = self._templates.sources
 
         stop_ids = [] if self.eos_id is None else [self.eos_id]
         stop_ids += extra_eos_ids
@@ -306,7 +238,7 @@ class HFTokenizer:
             backend,
             path=directory,
             special_tokens={name: token.content for name, token in named.items()},
-            chat_templates=_chat_templates(directory, config),
+            chat_templates=read_chat_templates(directory, config),
             extra_eos_ids=_eos_ids_from_generation_config(generation_file, generation_config),
             stop_strings=stop_strings,
             pad_id=pad_id if isinstance(pad_id, int) else None,
@@ -379,28 +311,9 @@ class HFTokenizer:
         `template_name` picks one of several named templates; by default "tool_use" when tools are given and
         the tokenizer has one, else "default".
         """
-        if not messages:
-            raise ValueError("apply_chat_template needs at least one message, got an empty conversation")
-        template = self._template(template_name, has_tools=extra_vars.get("tools") is not None)
-        variables = {"tools": None, "documents": None, **self.special_tokens, **extra_vars}
-        text = template.render(
-            messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        variables = {**self.special_tokens, **extra_vars}
+        text = self._templates.render(messages, add_generation_prompt, variables, template_name)
         return self.encode(text) if tokenize else text
-
-    def _template(self, name: str | None, has_tools: bool) -> jinja2.Template:
-        if not self._compiled:
-            raise ValueError(
-                f"tokenizer at {self.path} has no chat template: looked for chat_template.jinja and the "
-                "chat_template entry of tokenizer_config.json"
-            )
-        if name is None:
-            name = TOOL_USE_TEMPLATE if has_tools and TOOL_USE_TEMPLATE in self._compiled else DEFAULT_TEMPLATE
-        if name not in self._compiled:
-            raise ValueError(f"tokenizer at {self.path} has no chat template {name!r}; it has {sorted(self._compiled)}")
-        return self._compiled[name]
 
 
 # --------------------------------------------------------------------------------------------- characters

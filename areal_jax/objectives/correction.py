@@ -145,6 +145,7 @@ def correct_behav_weight(
     w_BxL = jnp.exp(log_w_BxL)
     rho_BxL = w_BxL
     if config.needs_segments:
+        assert segment_ids_BxL is not None  # checked above
         log_total_BxS = segment_sums(log_w_BxL, segment_ids_BxL)
         bounded_BxS = jnp.clip(log_total_BxS, -_SEQUENCE_LOG_BOUND, _SEQUENCE_LOG_BOUND)
         seq_w_BxL = jnp.exp(per_token(bounded_BxS, segment_ids_BxL))  # W_i on every token of sequence i
@@ -164,6 +165,7 @@ def correct_behav_weight(
         elif config.rs_level == "sequence":
             test_BxL = seq_w_BxL
         else:
+            assert segment_ids_BxL is not None  # a sequence-level test: checked above
             count_BxS = segment_sums(mask_BxL.astype(log_w_BxL.dtype), segment_ids_BxL)
             test_BxL = jnp.exp(per_token(safe_div(log_total_BxS, count_BxS), segment_ids_BxL))
         masked_BxL = masked_BxL | _outside(test_BxL, config.rs_bounds)

@@ -62,7 +62,9 @@ def ppo_terms(
     (default: every token); `segment_ids_BxL` is required when `config.needs_segments`."""
     mask_BxL = jnp.ones(logp_BxL.shape, bool) if mask_BxL is None else mask_BxL
     logp_old_BxL = logp_prox_BxL if config.decoupled else logp_behav_BxL
+    assert logp_old_BxL is not None  # logp_prox_BxL is required when decoupled (`ppo_loss` checks)
     if config.ratio_level == "sequence":
+        assert segment_ids_BxL is not None  # required when config.needs_segments (`ppo_loss` checks)
         seq_log_ratio_BxL = segment_mean(jax.lax.stop_gradient(logp_BxL - logp_old_BxL), mask_BxL, segment_ids_BxL)
         ratio_BxL = jnp.exp(logp_BxL - jax.lax.stop_gradient(logp_BxL) + seq_log_ratio_BxL)
     else:
@@ -82,6 +84,7 @@ def ppo_terms(
         behav_weight_BxL = jax.lax.stop_gradient(jnp.exp(logp_prox_BxL - logp_behav_BxL))
     token_loss_BxL = pg_BxL
     if config.decoupled:
+        assert logp_prox_BxL is not None  # as above
         corrected = correct_behav_weight(logp_prox_BxL - logp_behav_BxL, mask_BxL, config.correction, segment_ids_BxL)
         token_loss_BxL = corrected.weight_BxL * pg_BxL
     clipped_BxL = pg_clipped_only_BxL > pg_plain_BxL
@@ -159,6 +162,7 @@ def ppo_loss(
     if config.loss_agg == "token_mean":
         pg_loss = loss_token_mean(jnp.sum(token_loss_BxL), num_loss_tokens_global)
     else:
+        assert segment_ids_BxL is not None and num_loss_sequences_global is not None  # checked above
         seq_tokens_BxL = per_token(segment_sums(mask_BxL.astype(dtype), segment_ids_BxL), segment_ids_BxL)
         pg_loss = loss_token_mean(jnp.sum(safe_div(token_loss_BxL, seq_tokens_BxL)), num_loss_sequences_global)
     loss = pg_loss
@@ -175,6 +179,7 @@ def ppo_loss(
         segment_ids_BxL,
     )
     if config.kl_coef > 0:
+        assert logp_ref_BxL is not None  # checked above
         kl_term, kl_stats = kl_loss(
             logp_BxL, logp_ref_BxL, mask_BxL, num_loss_tokens_global, config.kl_coef, config.kl_estimator
         )
@@ -206,6 +211,7 @@ def ppo_stats(
     }
     token_maxes = {}
     if terms.behav_weight_BxL is not None:
+        assert logp_prox_BxL is not None  # the behaviour weight is computed from it
         w_BxL = terms.behav_weight_BxL
         log_w_BxL = logp_prox_BxL - logp_behav_BxL
         token_means["iw_mean"] = w_BxL
@@ -225,6 +231,7 @@ def ppo_stats(
     num_buckets = config.num_staleness_buckets
     bucket_BxL = None
     if token_version_BxL is not None:
+        assert trainer_version is not None  # given together (`ppo_loss` checks)
         bucket_BxL = staleness_buckets(token_version_BxL, trainer_version, num_buckets)
         stats.update(bucketed_stats(token_means, token_maxes, mask_BxL, bucket_BxL, num_buckets))
     if terms.corrected is not None:

@@ -20,13 +20,16 @@ K staleness buckets, M parts (micro-batches or updates).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+ArrayT = TypeVar("ArrayT", jax.Array, np.ndarray)
 
 
-def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+def safe_div(num: jax.Array | np.ndarray, den: jax.Array | np.ndarray) -> jax.Array:
     """num / den, and 0 where den == 0 (no NaN, no NaN gradient)."""
     ok = den != 0
     return jnp.where(ok, num / jnp.where(ok, den, 1), 0)
@@ -73,7 +76,7 @@ def count_loss_sequences(segment_ids: jax.Array, loss_mask: jax.Array) -> jax.Ar
     return jnp.sum(loss_sequences_BxS(segment_ids.reshape(-1, length), loss_mask.reshape(-1, length).astype(bool)))
 
 
-def effective_sample_size(mean_w: jax.Array, mean_w_sq: jax.Array) -> jax.Array:
+def effective_sample_size(mean_w: jax.Array | np.ndarray, mean_w_sq: jax.Array | np.ndarray) -> jax.Array:
     """Normalised ESS (sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2), in [0, 1]; 0 when every w is 0."""
     return safe_div(jnp.square(mean_w), mean_w_sq)
 
@@ -132,15 +135,15 @@ def bucketed_stats(
 
 
 def merge_stats(
-    stats_M: Mapping[str, jax.Array], over: Literal["microbatches", "updates"] = "microbatches"
-) -> dict[str, jax.Array]:
+    stats_M: Mapping[str, ArrayT], over: Literal["microbatches", "updates"] = "microbatches"
+) -> dict[str, ArrayT | jax.Array]:
     """Merge the statistics of M parts stacked on a leading axis into those of the whole, by the key rule of
     this module: the micro-batches of one update (parts of one normalised loss) or the updates of a step.
 
     Takes JAX or NumPy arrays; a single part is returned as it is. A list of per-part dicts can be stacked with
     `jax.tree.map(lambda *x: jnp.stack(x), *stats_list)`.
     """
-    merged: dict[str, jax.Array] = {}
+    merged: dict[str, ArrayT | jax.Array] = {}
     ess_keys = []
     for key, value_M in stats_M.items():
         prefix, _, name = key.rpartition("/")

@@ -31,7 +31,7 @@ from areal_jax import storage
 from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import to_dict
 from areal_jax.jsonl import parse_jsonl
-from areal_jax.reporting.metric_keys import BATCH_WAIT, EMITTED, WALL
+from areal_jax.reporting.metric_keys import BATCH_WAIT, EMITTED, WALL, is_evaluation
 from areal_jax.run_layout import METRICS_FILE
 from areal_jax.system import resources
 from areal_jax.system.run_dir import CONFIG_FILE
@@ -163,7 +163,7 @@ def _steady_lines(run_dir: str | Path, skip: int | None) -> list[dict[str, float
         text = storage.read_text(path)
     except FileNotFoundError:
         raise CalibrationError(f"{run_dir} has no {METRICS_FILE}: the run trained no step") from None
-    lines = parse_jsonl(text)
+    lines = [line for line in parse_jsonl(text) if not is_evaluation(line)]
     skip = max(2, len(lines) // 4) if skip is None else skip
     if len(lines) < skip + 3:
         raise CalibrationError(

@@ -9,6 +9,7 @@ STEP_KEY = "train/version"  # a metrics line's step
 REWARD = "rollout/reward_mean"
 CORRECT = "rollout/correct_mean"
 HELDOUT = "eval/pass@1"
+EVAL_PREFIX = "eval/"  # a held-out evaluation's scalars; its line has these and STEP_KEY only
 STALENESS_MEAN = "rollout/staleness_mean"
 STALENESS_MAX = "rollout/staleness_max"
 TRAIN_TOKENS_PER_S = "train/throughput"
@@ -31,3 +32,9 @@ def generation_rate(previous: Mapping[str, float] | None, stats: Mapping[str, fl
         if d_emitted >= 0 and d_wall > 0:
             return d_emitted / d_wall
     return emitted / wall if wall > 0 else None
+
+
+def is_evaluation(stats: Mapping[str, float]) -> bool:
+    """Whether a metrics line is a held-out evaluation's (written when it finished, at its version's step)
+    rather than a training step's."""
+    return all(key == STEP_KEY or key.startswith(EVAL_PREFIX) for key in stats)

@@ -18,6 +18,7 @@ from areal_jax.reporting.metric_keys import (
     TRAIN_TOKENS_PER_S,
     WALL,
     generation_rate,
+    is_evaluation,
 )
 
 History = list[tuple[int, dict[str, float]]]  # (step, that step's stats), in step order
@@ -27,6 +28,7 @@ def run_series(history: History) -> dict[str, np.ndarray]:
     """The plotted series, one value per step (NaN where a step lacks it): `step`, `wall` (seconds, one axis
     across resumes), reward, correct rate, held-out pass@1, mean staleness, generation and training
     tokens/s; and `staleness` / `kept` (samples trained per staleness) when the pipeline counts them."""
+    history = fold_evaluations(history)
     steps = np.array([s for s, _ in history], dtype=np.float64)
     walls, offset, last_wall = [], 0.0, None
     gen_rates, previous = [], None
@@ -56,6 +58,22 @@ def run_series(history: History) -> dict[str, np.ndarray]:
         series["staleness"] = np.array(staleness, dtype=np.float64)
         series["kept"] = np.array([counts[s] for s in staleness], dtype=np.float64)
     return series
+
+
+def fold_evaluations(history: History) -> History:
+    """`history` with each evaluation's line (written when it finished) merged into the line of its step, or
+    in step order where its step has none (the starting policy's, step 0)."""
+    lines: list[tuple[int, dict[str, float]]] = []
+    by_step: dict[int, dict[str, float]] = {}
+    for step, stats in history:
+        if is_evaluation(stats) and step in by_step:
+            by_step[step].update(stats)
+            continue
+        line = dict(stats)
+        if not is_evaluation(stats):
+            by_step[step] = line
+        lines.append((step, line))
+    return sorted(lines, key=lambda entry: entry[0])
 
 
 def write_plots(series: Mapping[str, np.ndarray], directory: Path) -> list[Path]:

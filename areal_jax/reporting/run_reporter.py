@@ -1,11 +1,15 @@
 """What a training run shows and writes: `RunReporter` takes each step's flat stats and the end of the run.
 
 The trainer loop calls `reporter.log(step, stats)` once per step (`stats`: a flat `dict[str, float]` such as
-`rollout/reward_mean`, `train/loss`, `generator/emitted_tokens`, `time/wall`, `eval/pass@1`) and
-`reporter.close(summary_lines)` at the end. The reporter writes, into the run directory:
+`rollout/reward_mean`, `train/loss`, `generator/emitted_tokens`, `time/wall`), `reporter.log_evaluation(step,
+scalars)` for each held-out evaluation of the rollout side once it finished (`eval/pass@1`, ...; the step of
+the version it evaluated, 0 for the starting policy) and `reporter.close(summary_lines)` at the end. The
+reporter writes, into the run directory:
 
     <run_dir>/
       metrics.jsonl    one JSON line per step: the step's stats as given (`train/version` is the step);
+                       a held-out evaluation's own line (`log_evaluation`: its `eval/...` scalars and the
+                       evaluated version's step) whenever it finished, possibly after later steps' lines;
                        a resumed run keeps the lines up to its checkpoint and appends the rest
       tensorboard/     TensorBoard event files, every scalar of a step at that step, flushed every step
                        (`tensorboard --logdir <run_dir>/tensorboard`); a tag is its key with characters that
@@ -55,6 +59,7 @@ from areal_jax.configuration import ConfigError
 from areal_jax.jsonl import keep_upto
 from areal_jax.reporting.metric_keys import (
     CORRECT,
+    EVAL_PREFIX,
     HELDOUT,
     INTERRUPTIONS,
     QUEUE,
@@ -64,6 +69,7 @@ from areal_jax.reporting.metric_keys import (
     STEP_KEY,
     TRAIN_TOKENS_PER_S,
     generation_rate,
+    is_evaluation,
 )
 from areal_jax.reporting.plots import History, run_series, write_plots
 from areal_jax.run_layout import LOG_FILE, METRICS_FILE, PLOTS_DIR, REPORT_OUTPUTS, TENSORBOARD_DIR, WANDB_DIR
@@ -74,6 +80,7 @@ logger = logging.getLogger(__name__)
 OUTPUTS = REPORT_OUTPUTS
 
 _TAG_REFUSED = re.compile(r"[^-/\w.]")
+_WANDB_EVAL_STEP = "eval/step"  # W&B's x-axis of the evaluations, which arrive after later steps
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -171,7 +178,7 @@ class RunReporter:
         self._write_tensorboard(step, stats)
         if self.wandb_run is not None:
             self.wandb_run.log(stats, step=step)
-        previous = self.history[-1][1] if self.history else None
+        previous = next((line for _, line in reversed(self.history) if not is_evaluation(line)), None)
         self.history.append((step, stats))
         self.session_steps.append((step, time.monotonic()))
         if HELDOUT in stats:
@@ -191,6 +198,29 @@ class RunReporter:
             values["training tok/s"],
             values["generation tok/s"],
         )
+
+    def log_evaluation(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Record a held-out evaluation of the version of step `step` (`eval/...` scalars), finished now:
+        its own metrics.jsonl line, TensorBoard at that step, W&B against `eval/step`."""
+        line = {STEP_KEY: step, **{key: float(value) for key, value in scalars.items() if key.startswith(EVAL_PREFIX)}}
+        self.metrics.write(json.dumps(line) + "\n")
+        self.metrics.flush()
+        scalars = {k: v for k, v in line.items() if k != STEP_KEY}
+        self._write_tensorboard(step, scalars)
+        if self.wandb_run is not None:
+            self.wandb_run.log({**scalars, _WANDB_EVAL_STEP: step})
+        newest = step >= max(self.evaluated_steps(), default=-1)
+        self.history.append((step, line))
+        if HELDOUT in line and newest:
+            self.heldout = line[HELDOUT]
+            if self.display_values:  # shown now: the last step's evaluation finishes after its line
+                self.display_values["held-out pass@1"] = _fmt(self.heldout, ".3f")
+                if self.live is not None:
+                    self.live.refresh()
+
+    def evaluated_steps(self) -> set[int]:
+        """The steps whose held-out evaluation metrics.jsonl has (this run's and, resumed, the kept ones)."""
+        return {step for step, stats in self.history if is_evaluation(stats)}
 
     def close(self, summary_lines: Sequence[str] = ()) -> None:
         """End the run's reporting: stop the display, write the plots, close every file, and print a summary
@@ -213,7 +243,7 @@ class RunReporter:
             self.wandb_run.finish()
         logging.getLogger().removeHandler(self.log_handler)
         self.log_handler.close()
-        steps = len(self.history)
+        steps = sum(not is_evaluation(stats) for _, stats in self.history)
         lines = [
             f"run directory: {self.run_dir}",
             f"  metrics:     {self.metrics_path} ({steps} step{'s' * (steps != 1)})",
@@ -297,8 +327,9 @@ class RunReporter:
         self.live.stop()
         self.live = None
         root = logging.getLogger()
-        root.removeHandler(self.warnings_handler)
-        root.removeHandler(self.status_handler)
+        for added in (self.warnings_handler, self.status_handler):
+            if added is not None:
+                root.removeHandler(added)
         for handler in self.muted:
             root.addHandler(handler)
         self.muted = []
@@ -327,7 +358,7 @@ def _start_wandb(wandb: Any, project: str, run_dir: Path, name: str | None, hpar
     id_file = directory / "run-id"
     run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
     id_file.write_text(run_id + "\n")
-    return wandb.init(
+    run = wandb.init(
         project=project,
         name=name or run_dir.name,
         id=run_id,
@@ -335,6 +366,9 @@ def _start_wandb(wandb: Any, project: str, run_dir: Path, name: str | None, hpar
         dir=str(run_dir),
         config=dict(hparams or {}),
     )
+    run.define_metric(_WANDB_EVAL_STEP)
+    run.define_metric(f"{EVAL_PREFIX}*", step_metric=_WANDB_EVAL_STEP)
+    return run
 
 
 def _keep_steps_upto(path: Path, step: int) -> History:

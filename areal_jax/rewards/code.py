@@ -15,9 +15,9 @@ import math
 import re
 import signal
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
-from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.configuration import ConfigError, option
 from areal_jax.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult
 from areal_jax.rewards.sandbox_launcher import RESULT_MARK
 
@@ -27,18 +27,10 @@ _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL |
 
 
 @dataclasses.dataclass(frozen=True)
-class CodeRewardConfig(Config):
-    """Settings of the sandboxed code reward."""
+class CodeRewardConfig(SandboxLimits):
+    """Settings of the sandboxed code reward: each case's `SandboxLimits` (its fields come first), then how
+    cases run and are compared."""
 
-    timeout_s: float = option(6.0, gt=0, doc="wall-clock limit of one test case; the whole run is killed past it")
-    cpu_s: int = option(0, ge=0, doc="CPU-seconds rlimit of one case; 0 means ceil(timeout_s)")
-    memory_mb: int = option(1024, ge=64, doc="address-space rlimit of the solution process, MiB")
-    file_mb: int = option(16, ge=1, doc="largest file the solution may write, MiB")
-    open_files: int = option(64, ge=16, doc="open file descriptors rlimit")
-    processes: int = option(32, ge=1, doc="process-count rlimit (enforced when run as root with a per-run uid)")
-    max_output_bytes: int = option(1 << 20, ge=1024, doc="stdout beyond this ends the case as output_limit")
-    max_stderr_bytes: int = option(1 << 16, ge=1024, doc="stderr kept for diagnostics; the rest is discarded")
-    tmpfs_mb: int = option(64, ge=1, doc="size of each private tmpfs (/tmp, /var/tmp, /dev/shm) of a run")
     max_parallel: int = option(4, ge=1, le=1024, doc="test cases run at once")
     float_rel_tol: float = option(1e-6, ge=0, doc="relative tolerance for numeric tokens; 0 with abs 0 = exact")
     float_abs_tol: float = option(1e-6, ge=0, doc="absolute tolerance for numeric tokens")
@@ -50,23 +42,15 @@ class CodeRewardConfig(Config):
     site_packages: bool = option(False, doc="let solutions import site-packages (numpy...) instead of stdlib only")
 
     def validate(self) -> None:
+        super().validate()
         if self.uid_span < self.max_parallel:
             raise ConfigError("uid_span", f"{self.uid_span} is fewer than max_parallel={self.max_parallel}")
         if self.uid_base + self.uid_span >= 2**31 - 1:
             raise ConfigError("uid_base", f"{self.uid_base} + uid_span {self.uid_span} exceeds the uid range")
 
     def limits(self) -> SandboxLimits:
-        return SandboxLimits(
-            wall_s=self.timeout_s,
-            cpu_s=self.cpu_s or math.ceil(self.timeout_s),
-            memory_mb=self.memory_mb,
-            file_mb=self.file_mb,
-            open_files=self.open_files,
-            processes=self.processes,
-            stdout_bytes=self.max_output_bytes,
-            stderr_bytes=self.max_stderr_bytes,
-            tmpfs_mb=self.tmpfs_mb,
-        )
+        """The limits alone (what the sandbox hands its launcher)."""
+        return SandboxLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SandboxLimits)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +111,11 @@ def _lines(value: Any) -> str:
 def parse_tests(tests: str | Mapping[str, Any] | Sequence[Any], fn_name: str | None = None) -> list[TestCase]:
     """Normalise a TACO/DeepCoder dict, a LiveCodeBench list, or their JSON text into `TestCase`s."""
     if isinstance(tests, str):
+        text = tests
         try:
-            tests = json.loads(tests)
+            tests = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"tests are not valid JSON ({err}): {tests[:80]!r}") from None
+            raise ValueError(f"tests are not valid JSON ({err}): {text[:80]!r}") from None
     if isinstance(tests, Mapping):
         if "inputs" not in tests or "outputs" not in tests:
             raise ValueError(f"test dict needs 'inputs' and 'outputs', got keys {sorted(tests)}")
@@ -277,7 +262,6 @@ class CodeVerifier:
 
     def _grade(self, r: SandboxResult, case: TestCase) -> CaseResult:
         cfg = self.config
-        cpu_limit = cfg.cpu_s or math.ceil(cfg.timeout_s)
         stderr_tail = r.stderr[-400:].decode("utf-8", "replace")
         verdict: Verdict
         detail = ""
@@ -285,7 +269,7 @@ class CodeVerifier:
             verdict, detail = "sandbox_error", r.error
         elif r.output_limited:
             verdict, detail = "output_limit", f"stdout exceeded {cfg.max_output_bytes} bytes"
-        elif r.timed_out or r.signal == signal.SIGXCPU or (r.signal == signal.SIGKILL and r.cpu_s >= cpu_limit):
+        elif r.timed_out or r.signal == signal.SIGXCPU or (r.signal == signal.SIGKILL and r.cpu_s >= cfg.cpu_limit_s):
             verdict, detail = "timeout", f"wall {r.wall_s:.2f}s, cpu {r.cpu_s:.2f}s"
         elif r.memory_error:
             verdict, detail = "memory_limit", f"MemoryError under {cfg.memory_mb} MiB"
@@ -328,5 +312,5 @@ class CodeVerifier:
         self.close()
 
 
-def _is_cases(tests: Any) -> bool:
+def _is_cases(tests: Any) -> TypeGuard[Sequence[TestCase]]:
     return isinstance(tests, Sequence) and not isinstance(tests, str) and all(isinstance(t, TestCase) for t in tests)

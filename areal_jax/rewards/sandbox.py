@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import selectors
@@ -25,23 +26,29 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from areal_jax.configuration import Config, option
 from areal_jax.rewards import sandbox_launcher
 from areal_jax.rewards.sandbox_launcher import MEMORY_EXIT, WORLD_WRITABLE, uid_pids
 
 
 @dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits of one run."""
+class SandboxLimits(Config):
+    """Resource limits of one run (the code reward's config carries them: `reward.code.timeout_s`, ...)."""
 
-    wall_s: float = 5.0
-    cpu_s: int = 5
-    memory_mb: int = 1024
-    file_mb: int = 16
-    open_files: int = 64
-    processes: int = 32
-    stdout_bytes: int = 1 << 20
-    stderr_bytes: int = 1 << 16
-    tmpfs_mb: int = 64
+    timeout_s: float = option(6.0, gt=0, doc="wall-clock limit of one test case; the whole run is killed past it")
+    cpu_s: int = option(0, ge=0, doc="CPU-seconds rlimit of one case; 0 means ceil(timeout_s)")
+    memory_mb: int = option(1024, ge=64, doc="address-space rlimit of the solution process, MiB")
+    file_mb: int = option(16, ge=1, doc="largest file the solution may write, MiB")
+    open_files: int = option(64, ge=16, doc="open file descriptors rlimit")
+    processes: int = option(32, ge=1, doc="process-count rlimit (enforced when run as root with a per-run uid)")
+    max_output_bytes: int = option(1 << 20, ge=1024, doc="stdout beyond this ends the case as output_limit")
+    max_stderr_bytes: int = option(1 << 16, ge=1024, doc="stderr kept for diagnostics; the rest is discarded")
+    tmpfs_mb: int = option(64, ge=1, doc="size of each private tmpfs (/tmp, /var/tmp, /dev/shm) of a run")
+
+    @property
+    def cpu_limit_s(self) -> int:
+        """The CPU-seconds rlimit: `cpu_s`, or the wall-clock limit rounded up when `cpu_s` is 0."""
+        return self.cpu_s or math.ceil(self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +155,7 @@ class Sandbox:
             "uid": uid,
             "mode": "stdin" if call is None else "call",
             "fn_name": None if call is None else call[0],
-            "limits": dataclasses.asdict(lim),
+            "limits": {**dataclasses.asdict(lim), "cpu_s": lim.cpu_limit_s},
             "namespaces": self.namespaces,
         }
         status_r, status_w = os.pipe()
@@ -173,7 +180,7 @@ class Sandbox:
         finally:
             os.close(status_w)
         try:
-            stdout, stderr, timed_out, limited = self._supervise(proc, started + lim.wall_s)
+            stdout, stderr, timed_out, limited = self._supervise(proc, started + lim.timeout_s)
         finally:
             _stop(proc)
             leftovers = _sweep_uid(uid) if uid is not None else []
@@ -204,7 +211,7 @@ class Sandbox:
     def _supervise(self, proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool, bool]:
         """Drain stdout/stderr until the launcher exits, the deadline passes or stdout exceeds its cap."""
         assert proc.stdout is not None and proc.stderr is not None
-        caps = {proc.stdout.fileno(): self.limits.stdout_bytes, proc.stderr.fileno(): self.limits.stderr_bytes}
+        caps = {proc.stdout.fileno(): self.limits.max_output_bytes, proc.stderr.fileno(): self.limits.max_stderr_bytes}
         chunks: dict[int, list[bytes]] = {fd: [] for fd in caps}
         sizes = dict.fromkeys(caps, 0)
         pidfd = os.pidfd_open(proc.pid)

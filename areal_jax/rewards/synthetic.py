@@ -127,7 +127,7 @@ def make_chain_problems(cfg: ChainSumTaskConfig, seed: int) -> list[ArithmeticPr
     capacity = {n: (cfg.max_operand + 1) ** n for n in counts}
     seen: set[str] = set()
     drawn = dict.fromkeys(counts, 0)
-    problems = []
+    problems: list[ArithmeticProblem] = []
     while len(problems) < cfg.problems:
         n = rng.choice([n for n in counts if drawn[n] < capacity[n]])
         terms = [rng.randint(0, cfg.max_operand) for _ in range(n)]

@@ -1,5 +1,5 @@
 """Running prompts through a live generator and scoring them: `evaluate` (the held-out split during
-training, on the rollout side; `areal-jax eval` in `areal_jax.evaluation`) and its `EvalReport`.
+training, on the rollout side; `areal-jax eval` in `areal_jax.jobs.evaluate`) and its `EvalReport`.
 
 Every prompt goes through the same continuous-batching `Generator` and the run's workflow (its chat
 template, reward function or environment), with the evaluation's own sampling: k = `samples_per_prompt`

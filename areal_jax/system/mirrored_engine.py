@@ -47,9 +47,9 @@ from areal_jax.inference.engine import (
     PrefixBatch,
     ResultTokens,
     VersionedParams,
-    warm_up,
 )
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.inference.serving_engine import warm_up
 from areal_jax.system.command_channel import CommandReceiver, CommandSender
 from areal_jax.weights.base import LoadedWeights, WeightSubscriber
 

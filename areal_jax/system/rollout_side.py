@@ -8,8 +8,9 @@ versions its weight follower loads. Everything else is written here once:
   are issued again first, then new ids; the staleness count starts from its groups in the log;
 - its rollout-log writer id (`new_writer_id(server)`);
 - applying a version (`weight_versions.apply_version`: the generator first, then admission);
-- the held-out evaluation schedule (server 0): the starting version of a new run, then every version
-  that `eval.every_steps` divides, and the last step's.
+- the held-out evaluations (server 0, `heldout_evaluator.py`): its own thread evaluates the starting version
+  when it is due and was not evaluated before, then every version applied that `eval.every_steps` divides,
+  and the last step's; the results go to the trainer as files (`eval_results.py`).
 """
 
 from __future__ import annotations
@@ -28,24 +29,16 @@ from areal_jax.data.rollout_log_reader import logged_groups
 from areal_jax.data.tasks import TaskStream
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.serving_engine import ServingEngine
-from areal_jax.progress import heartbeat
 from areal_jax.reporting.metric_keys import QUEUE
 from areal_jax.rollout.controller import RolloutController
-from areal_jax.rollout.evaluation import evaluate
 from areal_jax.rollout.staleness import StalenessManager
 from areal_jax.rollout.weight_versions import apply_version
 from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.seeds import stream_seed
 from areal_jax.system.cluster import ResumePoint, resume_point, server_group_ids
+from areal_jax.system.heldout_evaluator import HeldoutEvaluator
 
 logger = logging.getLogger(__name__)
-
-
-def eval_due(cfg: ExperimentConfig, version: int) -> bool:
-    """Whether version `version` is evaluated on the held-out split: every `eval.every_steps` versions (the
-    starting version 0 included) and the last step's."""
-    every = cfg.eval.every_steps
-    return bool(every) and (version % every == 0 or version >= cfg.train_steps)
 
 
 class RolloutSide:
@@ -59,36 +52,23 @@ class RolloutSide:
         generator: Generator,
         staleness: StalenessManager,
         controller: RolloutController,
-        workflow: RolloutWorkflow,
-        heldout: Sequence[PromptRecord],
+        evaluator: HeldoutEvaluator | None,
     ):
         self.cfg, self.server, self.point = cfg, server, point
         self.generator, self.staleness, self.controller = generator, staleness, controller
-        self.workflow, self.heldout = workflow, heldout
+        self.evaluator = evaluator
 
     def apply(self, params: Any, version: int) -> None:
-        """Swap `params` in as `version`; returns once the generator decodes with them and admission follows."""
+        """Swap `params` in as `version`; returns once the generator decodes with them and admission follows
+        (its held-out evaluation, when due, runs on the evaluator's thread)."""
         apply_version(self.generator, self.staleness, params, version, interrupt=self.cfg.rollout.interrupt)
+        if self.evaluator is not None:
+            self.evaluator.submit_if_due(version)
 
-    def evaluate_if_due(self, version: int) -> dict[str, float]:
-        """Server 0, when `eval_due`: the held-out split on the live generator at `version`, written to
-        `eval/step-<version>`; its scalars (`eval/...`, `eval_before/...` for version 0). Else, or when the
-        evaluation fails (training goes on), nothing."""
-        if self.server != 0 or not self.heldout or not eval_due(self.cfg, version):
-            return {}
-        prompts = list(self.heldout[: self.cfg.eval.max_prompts or None])
-        generator = self.generator
-        emitted = generator.stats.emitted_tokens
-        status = lambda: f"{generator.stats.emitted_tokens - emitted} tokens generated"  # noqa: E731
-        try:
-            with heartbeat(f"held-out evaluation at version {version} ({len(prompts)} prompts)", status):
-                report = evaluate(generator, self.workflow, prompts, self.cfg.eval, stream_seed(self.cfg.seed, "eval"))
-        except Exception:  # a failing reward also fails the rollouts, whose budget stops the run if it must
-            logger.exception("held-out evaluation at version %d failed; training goes on", version)
-            return {}
-        report.write(self.cfg.layout.eval_dir / f"step-{version}")
-        logger.info("held-out pass@1 at version %d: %.3f (%d prompts)", version, report.overall.pass_at_1, len(prompts))
-        return report.scalars("eval_before" if version == 0 else "eval")
+    def finish_evaluations(self) -> None:
+        """Returns once the evaluations of the versions applied so far are written."""
+        if self.evaluator is not None:
+            self.evaluator.finish()
 
     @property
     def failure(self) -> BaseException | None:
@@ -156,6 +136,9 @@ def open_rollout_side(
     seed = stream_seed(cfg.seed, "generator", server)
     generator = Generator(engine, loaded, detokenize=workflow.tokenizer.decode, seed=seed)
     del loaded  # the generator owns the weights
+    evaluator = None
+    if server == 0 and heldout and cfg.eval.every_steps:
+        evaluator = HeldoutEvaluator(cfg, generator, workflow, heldout)
     try:
         with generator, workflow_serving(workflow, generator, staleness, server):
             controller = RolloutController(
@@ -168,9 +151,14 @@ def open_rollout_side(
                 on_failure=on_failure,
                 dynamic_sampling=cfg.rollout.dynamic_sampling,
             ).start()
+            if evaluator is not None:
+                evaluator.start()
+                evaluator.submit_if_due(version)  # the starting version: a new run's, or a resumed one's
             try:
-                yield RolloutSide(cfg, server, point, generator, staleness, controller, workflow, heldout)
+                yield RolloutSide(cfg, server, point, generator, staleness, controller, evaluator)
             finally:
                 controller.stop()
+                if evaluator is not None:
+                    evaluator.close()  # after the one it is running: a signal's stop does not wait for more
     finally:
         sink.close()

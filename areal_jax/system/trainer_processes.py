@@ -100,7 +100,8 @@ class SharedBatches:
                 return self._share(step)
 
     def _share(self, step: int) -> list[Trajectory] | None:
-        payload, failure = None, None
+        payload: dict[str, bytes | str | None] | None = None
+        failure = None
         if self._pending is not None:
             try:
                 batch = self._pending.result()

@@ -2,9 +2,11 @@
 the version, record the step, checkpoint; until `StopControl` says stop.
 
 The loop runs on every trainer process. Process 0 reads the rollout log through the Grain pipeline (or,
-with several processes, hands each batch to the others: `SharedBatches`) and alone writes the records;
-every process takes part in the step, the publish and each checkpoint (all collective). A checkpoint holds
-the arrays and the `RunState`, which process 0 decides.
+with several processes, hands each batch to the others: `SharedBatches`) and alone writes the records,
+among them the rollout side's held-out evaluations once they are finished (`eval_results.py`), each at the
+step of the version it evaluated; the loop never runs one. Every process takes part in the step, the
+publish and each checkpoint (all collective). A checkpoint holds the arrays and the `RunState`, which
+process 0 decides.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from areal_jax import storage
 from areal_jax.config import ExperimentConfig
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.profiling import ProfileWindow
 from areal_jax.progress import heartbeat
 from areal_jax.reporting.metric_keys import BATCH_WAIT
+from areal_jax.system.eval_results import FinishedEvaluations
 from areal_jax.system.run_state import RunState
 from areal_jax.system.step_report import StepRecords, reward_stats
 from areal_jax.system.stop_control import RunFailed, StopControl
@@ -53,7 +57,15 @@ class Rollouts(Protocol):
     def next_group_id(self) -> int: ...
     def generation_tokens(self) -> int: ...
     def interruptions(self) -> int: ...
-    def evaluate_if_due(self, version: int) -> dict[str, float]: ...
+
+    def evaluations(self) -> storage.Location:
+        """Where the rollout side writes its held-out evaluations (`eval_results.py`)."""
+        ...
+
+    def finish_evaluations(self, version: int) -> None:
+        """Returns once the rollout side has written its evaluations up to `version` (the last step's), or
+        gave up on them."""
+        ...
 
 
 @dataclasses.dataclass
@@ -93,11 +105,15 @@ class TrainingLoop:
         self.stops, self.processes, self.rollouts, self.publisher = stops, processes, rollouts, publisher
         self.take, self.pipeline_state, self.records = take, pipeline_state, records
         self.stream_prompts = stream_prompts
+        self.evaluations = (
+            FinishedEvaluations(rollouts.evaluations(), records.reporter.evaluated_steps())
+            if records is not None
+            else None
+        )
 
     def run(self, profile: ProfileWindow) -> RewardTrace:
         trainer, stops = self.trainer, self.stops
         trace = RewardTrace()
-        before = {} if self.state.resumed else self.rollouts.evaluate_if_due(trainer.version)
         first = True
         while stops.go_on(trainer.version):
             waiting = time.perf_counter()
@@ -118,20 +134,28 @@ class TrainingLoop:
             stats[BATCH_WAIT] = waited
             self.state.version = trainer.version
             self.state.consume(batch)
-            stats.update(self.rollouts.evaluate_if_due(trainer.version))
             if self.records is not None:
-                stats.update(before)
-                before = {}  # the starting policy's held-out scores, on the first line of the run
                 stats["data/epoch"] = self.rollouts.next_group_id() / self.stream_prompts
                 self.records.add_run_stats(stats, self.rollouts.stats(), self._pipeline_state())
                 self.records.write(trainer.version, stats, batch)
+                self.record_evaluations()
             trace.add(stats["rollout/reward_mean"], len(batch))
             stops.count_skipped(stats["train/skipped_updates"])
             self._save(due_only=trainer.version < self.cfg.train_steps)  # the last step, always
         if stops.agreed():
             logger.info("stopping after step %d on %s", trainer.version, stops.describe())
             self._save(due_only=False)
+        elif self.processes.primary and self.rollouts.failure() is None:
+            self.rollouts.finish_evaluations(trainer.version)
+            self.record_evaluations()
         return trace
+
+    def record_evaluations(self) -> None:
+        """Process 0: the held-out evaluations finished since the last call, each at its version's step."""
+        if self.evaluations is None or self.records is None:
+            return
+        for version, scalars in self.evaluations.take():
+            self.records.reporter.log_evaluation(version, scalars)
 
     def _first_batch_heartbeat(self, first: bool) -> contextlib.AbstractContextManager[None]:
         """While the first batch of this process's run is awaited: what the rollout side has made so far."""

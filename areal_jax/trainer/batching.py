@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import heapq
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -35,28 +35,33 @@ from areal_jax.trainer.config import TrainerConfig
 Planner = Callable[[np.ndarray], PackPlan]
 
 
-class PackedBatch(NamedTuple):
+# NumPy arrays on the host, JAX arrays once on the mesh (`TrainStep.put_batch`) and inside the jitted step
+ArrayT = TypeVar("ArrayT", np.ndarray, jax.Array)
+
+
+class PackedBatch(NamedTuple, Generic[ArrayT]):
     """One PPO mini-batch as stacked micro-batches; every field is [M, B, L]."""
 
-    tokens: np.ndarray  # int32 input token x_p
-    targets: np.ndarray  # int32 next token x_{p+1}
-    segment_ids: np.ndarray  # int32, 0 = padding, 1.. per sequence within a row
-    positions: np.ndarray  # int32, restart at 0 per sequence
-    loss_mask: np.ndarray  # bool, m_{p+1}
-    logp_behav: np.ndarray  # float32, b_{p+1}
-    versions: np.ndarray  # int32, v_{p+1}; -1 where the token was not sampled by the policy
-    advantages: np.ndarray  # float32, the sequence's advantage on each of its positions
+    tokens: ArrayT  # int32 input token x_p
+    targets: ArrayT  # int32 next token x_{p+1}
+    segment_ids: ArrayT  # int32, 0 = padding, 1.. per sequence within a row
+    positions: ArrayT  # int32, restart at 0 per sequence
+    loss_mask: ArrayT  # bool, m_{p+1}
+    logp_behav: ArrayT  # float32, b_{p+1}
+    versions: ArrayT  # int32, v_{p+1}; -1 where the token was not sampled by the policy
+    advantages: ArrayT  # float32, the sequence's advantage on each of its positions
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return self.tokens.shape
+        m, b, length = self.tokens.shape
+        return m, b, length
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainBatch:
     """A training step's input: `ppo_minibatches` packed mini-batches of one shape, and host statistics."""
 
-    minibatches: list[PackedBatch]
+    minibatches: list[PackedBatch[np.ndarray]]
     stats: dict[str, float]
 
 
@@ -133,7 +138,7 @@ _FIELDS = (  # PackedBatch field: dtype, padding value
 
 def _write_minibatch(
     trajectories: Sequence[Trajectory], adv_N: np.ndarray, plan: PackPlan, shape: tuple[int, int, int]
-) -> PackedBatch:
+) -> PackedBatch[np.ndarray]:
     """The plan's placement of `trajectories` written straight into `[M, B, L]` arrays of `shape` (one copy of
     each token's data, shifted as in the module docstring); the rest is padding."""
     out = [np.full(shape, pad, dtype) for dtype, pad in _FIELDS]

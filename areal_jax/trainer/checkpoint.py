@@ -158,12 +158,12 @@ def _checksum(path: epath.Path) -> tuple[int, int]:
 def write_manifest(step_dir: str | os.PathLike[str]) -> int:
     """Write the manifest of a committed step directory (under a temporary name, then renamed into place);
     the number of bytes checksummed."""
-    step_dir = epath.Path(step_dir)
-    files = _file_checksums(step_dir)
+    directory = epath.Path(step_dir)
+    files = _file_checksums(directory)
     record = {"format": 1, "checksum": "crc32", "files": {name: list(sc) for name, sc in files.items()}}
-    temporary = step_dir / f".{MANIFEST}.tmp"
+    temporary = directory / f".{MANIFEST}.tmp"
     temporary.write_text(json.dumps(record, indent=0))
-    temporary.replace(step_dir / MANIFEST)
+    temporary.replace(directory / MANIFEST)
     return sum(size for size, _ in files.values())
 
 
@@ -173,23 +173,23 @@ def check_manifest(step_dir: str | os.PathLike[str]) -> tuple[bool, str | None]:
     Files the manifest does not list are ignored; a listed file that is missing, of another size or of
     another checksum is a mismatch.
     """
-    step_dir = epath.Path(step_dir)
+    directory = epath.Path(step_dir)
     try:
-        listed = json.loads((step_dir / MANIFEST).read_text())["files"]
+        listed = json.loads((directory / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return False, None
     except (ValueError, KeyError, TypeError) as err:
-        logger.warning("unreadable manifest in %s (%s); treating the checkpoint as unverified", step_dir, err)
+        logger.warning("unreadable manifest in %s (%s); treating the checkpoint as unverified", directory, err)
         return False, None
     for name, (size, _) in listed.items():
-        path = step_dir / name
+        path = directory / name
         if not path.is_file():
             return True, f"file {name} is missing"
         actual = path.stat().length
         if actual != size:
             return True, f"file {name} has {actual} bytes, its manifest says {size}"
     for name, (_, crc) in listed.items():
-        if _checksum(step_dir / name)[1] != crc:
+        if _checksum(directory / name)[1] != crc:
             return True, f"file {name} does not match its checksum"
     return True, None
 
@@ -420,7 +420,8 @@ class TrainCheckpointer:
         """`check_manifest` of `step`, run on process 0 and broadcast to the others."""
         if jax.process_count() == 1:
             return check_manifest(self._step_dir(step))
-        has_manifest, mismatch = False, "its files do not match its manifest (checked on process 0)"
+        has_manifest = False
+        mismatch: str | None = "its files do not match its manifest (checked on process 0)"
         if jax.process_index() == 0:
             has_manifest, mismatch = check_manifest(self._step_dir(step))
         code = 2 if mismatch else int(has_manifest)

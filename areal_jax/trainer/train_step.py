@@ -6,7 +6,7 @@ on B over `data` + `fsdp`. An update's gradient is one `jax.jit` per batch shape
 micro-batches accumulates the gradient of the decoupled PPO loss (normalised by the mini-batch's loss-token
 count, so the sum over micro-batches is the mini-batch loss; with the KL-to-reference loss term and the KL
 reward shaping when their coefficients are > 0); a second program applies the optimizer of `make_optimizer`
-(below). An update whose gradient is not finite (a non-finite loss gives one) is skipped with
+(`optimizer.py`). An update whose gradient is not finite (a non-finite loss gives one) is skipped with
 `optax.apply_if_finite`'s semantics and state: params and AdamW state stay as they were (the schedule does not
 advance), the optimizer state counts the skip, and the update reports `train/skipped_updates = 1`.
 
@@ -36,12 +36,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.lora import LoRAParam
 from areal_jax.objectives.config import KLEstimator, PPOConfig
 from areal_jax.objectives.kl import kl_shaped_advantages
 from areal_jax.objectives.ppo import ppo_loss
@@ -50,79 +50,9 @@ from areal_jax.objectives.stats import count_loss_sequences, count_loss_tokens, 
 from areal_jax.sharding import logical_to_spec, state_shardings
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
+from areal_jax.trainer.optimizer import learning_rate, learning_rate_schedule, make_optimizer, optimizer_parts
 
 logger = logging.getLogger(__name__)
-
-# apply_if_finite gives up and applies a non-finite update after this many in a row; the trainer never does
-# (a run whose every update is skipped stops itself after trainer.max_skipped_steps steps)
-_NEVER = int(jnp.iinfo(jnp.int32).max)
-
-
-def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
-    """lr of update `count` (0-based, applied updates only): lr * (count + 1) / warmup_steps while count <
-    warmup_steps, then constant lr or a cosine from lr down to min_lr_ratio * lr at total_steps."""
-    lr, warmup = config.lr, config.warmup_steps
-    if config.schedule == "cosine":
-        after = optax.cosine_decay_schedule(lr, decay_steps=config.total_steps - warmup, alpha=config.min_lr_ratio)
-    else:
-        after = optax.constant_schedule(lr)
-    if warmup == 0:
-        return after
-    # from lr / warmup at update 0 to lr at update warmup - 1 (optax's warm-up schedules reach lr one update
-    # later); a ramp of warmup - 1 = 0 steps holds lr / 1
-    ramp = optax.linear_schedule(lr / warmup, lr, transition_steps=warmup - 1)
-    return optax.join_schedules([ramp, after], boundaries=[warmup])
-
-
-def decay_mask(params: nnx.State) -> nnx.State:
-    """True for the parameters weight decay applies to: matmul kernels and embeddings, told by their logical
-    axes (the variables' sharding metadata), and LoRA adapters (decay pulls them toward the base). Each kernel
-    has the model-width axis `embed`; no bias ([heads, head_dim]) or norm scale ([norm] or [head_dim]) has it."""
-
-    def decays(path: tuple[Any, ...], variable: Any) -> Any:
-        names = variable.get_metadata().get("out_sharding") if isinstance(variable, nnx.Variable) else None
-        if names is None:
-            raise ValueError(
-                f"parameter {jax.tree_util.keystr(path)} has no logical axis names (out_sharding metadata); "
-                "the weight-decay mask is read from them"
-            )
-        return variable.replace(isinstance(variable, LoRAParam) or "embed" in names)
-
-    return jax.tree_util.tree_map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def optimizer_parts(
-    config: OptimizerConfig, params: nnx.State
-) -> tuple[optax.GradientTransformation | None, optax.GradientTransformation]:
-    """(global-norm clipping or None, AdamW) of `make_optimizer`."""
-    adamw = optax.inject_hyperparams(optax.adamw)(
-        learning_rate=learning_rate_schedule(config),
-        b1=config.beta1,
-        b2=config.beta2,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        mask=decay_mask(params),
-    )
-    return (None if config.grad_clip is None else optax.clip_by_global_norm(config.grad_clip)), adamw
-
-
-def make_optimizer(config: OptimizerConfig, params: nnx.State) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with the lr schedule injected (the named value `learning_rate` of
-    its state is the lr of the newest update) and weight decay on `decay_mask(params)`; an update whose
-    gradient is not finite is skipped (`optax.apply_if_finite`, which here never gives up). Its state is the
-    trainer's optimizer state; the train step applies its parts in two programs (module docstring)."""
-    clip, adamw = optimizer_parts(config, params)
-    return optax.apply_if_finite(optax.chain(*([] if clip is None else [clip]), adamw), max_consecutive_errors=_NEVER)
-
-
-def learning_rate(opt_state: optax.OptState) -> jax.Array:
-    """The lr of the newest applied update held in a `make_optimizer` state (before any update: the first's)."""
-    return optax.tree_utils.tree_get(opt_state, "hyperparams")["learning_rate"]
-
-
-def applied_updates(opt_state: optax.OptState) -> jax.Array:
-    """The number of updates a `make_optimizer` state has applied (skipped ones not counted): the schedule's count."""
-    return optax.tree_utils.tree_get(opt_state, optax.InjectStatefulHyperparamsState.__name__).count
 
 
 def _opt_state_shardings(abstract_opt_state: Any, params_shardings: Any, abstract_params: Any, mesh: Mesh) -> Any:
@@ -132,7 +62,7 @@ def _opt_state_shardings(abstract_opt_state: Any, params_shardings: Any, abstrac
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def like_params(node: Any) -> bool:
-        return jax.tree.structure(node) == params_def
+        return jax.tree.structure(node) == params_def  # type: ignore[operator]  # jaxlib ships no PyTreeDef stubs
 
     def one(node: Any) -> Any:
         return params_shardings if like_params(node) else jax.tree.map(lambda _: replicated, node)
@@ -148,7 +78,7 @@ class _Scorer:
     temperature: float
 
     def token_logprobs(
-        self, params: nnx.State, frozen: nnx.State, mb: PackedBatch, dropout_key: jax.Array | None = None
+        self, params: nnx.State, frozen: nnx.State, mb: PackedBatch[jax.Array], dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.graphdef, params, frozen)
         return model.token_logprobs(mb.tokens, mb.targets, mb.segment_ids, mb.positions, self.temperature, dropout_key)
@@ -184,7 +114,7 @@ class _Program:
         return jax.tree.unflatten(self.params_def, [0] * len(self.param_sharding_leaves))
 
 
-def _logprobs_fn(scorer: _Scorer, params: nnx.State, frozen: nnx.State, batch: PackedBatch) -> jax.Array:
+def _logprobs_fn(scorer: _Scorer, params: nnx.State, frozen: nnx.State, batch: PackedBatch[jax.Array]) -> jax.Array:
     logp_MxBxL = jax.lax.map(lambda mb: scorer.token_logprobs(params, frozen, mb)[0], batch)
     return jax.lax.stop_gradient(logp_MxBxL)
 
@@ -193,7 +123,7 @@ def _microbatch_loss(
     program: _Program,
     params: nnx.State,
     frozen: nnx.State,
-    mb: PackedBatch,
+    mb: PackedBatch[jax.Array],
     logp_prox_BxL: jax.Array | None,
     logp_ref_BxL: jax.Array | None,
     num_loss_tokens: jax.Array,
@@ -213,13 +143,16 @@ def _microbatch_loss(
     elif program.ppo.decoupled and method in APPROXIMATIONS:
         logp_prox_BxL = approximate_prox_logp(method, logp_BxL, mb.logp_behav, mb.versions, version)
     elif method == "metrics":
+        assert logp_prox_BxL is not None  # metrics is decoupled (PPOConfig), so the update takes the pass's log-probs
         prox_stats = prox_approximation_stats(
             logp_prox_BxL, logp_BxL, mb.logp_behav, mb.versions, version, mb.loss_mask.astype(bool)
         )
-    adv_BxL, kl_reward_stats = mb.advantages, {}
+    adv_BxL = mb.advantages
+    kl_reward_stats: dict[str, jax.Array] = {}
     if program.kl_reward_coef > 0:
         # the penalised policy is the one the update starts from: the proximal (decoupled) or the behaviour one
         logp_old_BxL = logp_prox_BxL if program.ppo.decoupled else mb.logp_behav
+        assert logp_old_BxL is not None and logp_ref_BxL is not None  # decoupled: set above; a KL reward: required
         adv_BxL, kl_reward_stats = kl_shaped_advantages(
             adv_BxL,
             logp_old_BxL,
@@ -251,7 +184,7 @@ def _gradients_fn(
     program: _Program,
     params: nnx.State,
     frozen: nnx.State,
-    batch: PackedBatch,
+    batch: PackedBatch[jax.Array],
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
@@ -278,10 +211,13 @@ def _gradients_fn(
         return loss, grads, merge_stats(jax.tree.map(lambda x: x[None], stats))
 
     def body(
-        grads: nnx.State, xs: tuple[PackedBatch, jax.Array | None, jax.Array | None, jax.Array | None]
+        grads: nnx.State, xs: tuple[PackedBatch[jax.Array], jax.Array | None, jax.Array | None, jax.Array | None]
     ) -> tuple[nnx.State, tuple[jax.Array, dict[str, jax.Array]]]:
         mb, logp_prox_BxL, logp_ref_BxL, index = xs
-        mb_key = None if key is None else jax.random.fold_in(key, index)
+        mb_key = None
+        if key is not None:
+            assert index is not None  # the indices are scanned over whenever there is a key
+            mb_key = jax.random.fold_in(key, index)
         (loss, stats), mb_grads = grad_fn(
             params, frozen, mb, logp_prox_BxL, logp_ref_BxL, num_loss_tokens, num_loss_sequences, version, mb_key
         )
@@ -298,7 +234,7 @@ def _update_gradients_fn(
     program: _Program,
     params: nnx.State,
     frozen: nnx.State,
-    batch: PackedBatch,
+    batch: PackedBatch[jax.Array],
     logp_prox_MxBxL: jax.Array | None,
     logp_ref_MxBxL: jax.Array | None,
     version: jax.Array,
@@ -470,7 +406,7 @@ class TrainStep:
         params = self.place(params)
         return params, self._init(self.program, params)
 
-    def put_batch(self, batch: PackedBatch) -> PackedBatch:
+    def put_batch(self, batch: PackedBatch[np.ndarray]) -> PackedBatch[jax.Array]:
         """Move a host mini-batch onto the mesh, rows split over data + fsdp."""
         rows = batch.tokens.shape[1]
         if rows % self.batch_shards:
@@ -486,7 +422,7 @@ class TrainStep:
             lambda x: jax.make_array_from_callback(x.shape, self.batch_sharding, lambda index: x[index]), batch
         )
 
-    def logprobs(self, params: nnx.State, batch: PackedBatch) -> jax.Array:
+    def logprobs(self, params: nnx.State, batch: PackedBatch[jax.Array]) -> jax.Array:
         """log pi(target) [M, B, L] of every position under `params`, at the trainer's temperature: the
         proximal log-probs with the step's params, the reference log-probs with the reference params."""
         return self._logprobs(self.program.scorer, params, self.frozen, batch)
@@ -495,7 +431,7 @@ class TrainStep:
         self,
         params: nnx.State,
         opt_state: optax.OptState,
-        batch: PackedBatch,
+        batch: PackedBatch[jax.Array],
         logp_prox: jax.Array | None,
         version: int,
         logp_ref: jax.Array | None = None,

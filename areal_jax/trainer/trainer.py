@@ -45,7 +45,7 @@ def _check_reference(reference_params: nnx.State, params: nnx.State) -> None:
     """Refuse reference params that are not params of the same model (structure, shapes, dtypes)."""
     expected = jax.tree_util.tree_flatten_with_path(params)[0]
     got = jax.tree_util.tree_flatten_with_path(reference_params)[0]
-    if jax.tree.structure(reference_params) != jax.tree.structure(params):
+    if jax.tree.structure(reference_params) != jax.tree.structure(params):  # type: ignore[operator]  # no PyTreeDef stubs
         paths = sorted({jax.tree_util.keystr(p) for p, _ in expected} ^ {jax.tree_util.keystr(p) for p, _ in got})
         raise ValueError(
             "reference_params do not have the structure of the model's params"
@@ -59,7 +59,7 @@ def _check_reference(reference_params: nnx.State, params: nnx.State) -> None:
             )
 
 
-def on_policy(minibatch: PackedBatch, version: int) -> bool:
+def on_policy(minibatch: PackedBatch[np.ndarray], version: int) -> bool:
     """Whether every loss token of a host mini-batch was sampled by policy `version` (staleness 0)."""
     return bool(np.all(minibatch.versions[minibatch.loss_mask] == version))
 
@@ -199,9 +199,10 @@ class Trainer:
         )
         prox = logprobs(self.params if self.train_step.needs_prox_pass and not skip_prox else None, first=int(auto))
         ref = logprobs(self.reference_params)
-        stats_P, dropout = [], self.train_step.uses_dropout
+        stats_P: list[dict[str, jax.Array]] = []
+        dropout = self.train_step.uses_dropout
         for k, (mb, logp_prox, logp_ref) in enumerate(zip(minibatches, prox, ref, strict=True)):
-            self.params, self.opt_state, stats = self.train_step.update(
+            self.params, self.opt_state, update_stats = self.train_step.update(
                 self.params,
                 self.opt_state,
                 mb,
@@ -211,7 +212,7 @@ class Trainer:
                 prox_is_current=auto and k == 0,
                 dropout_seed=stream_seed(self.seed, "lora_dropout", self.version, k) if dropout else None,
             )
-            stats_P.append(stats)
+            stats_P.append(update_stats)
         stats = merge_minibatch_stats(jax.device_get(stats_P))
         elapsed = time.perf_counter() - started
         if new_shapes:

@@ -183,7 +183,9 @@ class DirectWeightPublisher:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         leaves = [leaf for _, leaf in flat]
         copies = copy_to(leaves, [leaf.sharding for leaf in leaves])
-        specs, offered, pieces = [], [], []
+        specs: list[LeafSpec] = []
+        offered: list[tuple[int, int]] = []
+        pieces: list[jax.Array] = []
         for number, leaf in enumerate(copies):
             spec, mine = offered_pieces(leaf)
             specs.append(spec)
@@ -263,7 +265,8 @@ class DirectWeightSubscriber:
     def latest_version(self) -> int | None:
         announced = self._pullable()
         stored = self.durable.latest_version()
-        return max((v for v in (announced and announced.version, stored) if v is not None), default=None)
+        announced_version = None if announced is None else announced.version
+        return max((v for v in (announced_version, stored) if v is not None), default=None)
 
     def wait_for_version(self, min_version: int, timeout_s: float | None = None) -> int | None:
         delays = itertools.repeat(self.poll_s)
@@ -346,7 +349,7 @@ class DirectWeightSubscriber:
         """Return once every pulled array has arrived (or failed); raise at `deadline` or on close."""
         pending = 0
         while pending < len(arrays):
-            if arrays[pending].is_ready():
+            if arrays[pending].is_ready():  # type: ignore[attr-defined]  # ArrayImpl's, missing from jax.Array's stub
                 pending += 1
                 continue
             if self._closed.is_set():

@@ -47,7 +47,8 @@ def offered_pieces(leaf: jax.Array) -> tuple[LeafSpec, list[tuple[int, jax.Array
     owners: dict[Index, int] = {}
     for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
         bounds = normalized_index(index, leaf.shape)
-        owners[bounds] = min(owners.get(bounds, device.process_index), device.process_index)
+        holder = device.process_index  # type: ignore[attr-defined]  # jaxlib ships no stubs for Device
+        owners[bounds] = min(owners.get(bounds, holder), holder)
     spec = LeafSpec(tuple(leaf.shape), str(leaf.dtype), tuple(sorted(owners)))
     local: dict[Index, jax.Array] = {}
     for shard in leaf.addressable_shards:
@@ -117,7 +118,9 @@ def plan_leaf(spec: LeafSpec, target: Sharding) -> LeafPlan:
 
 
 def _target_indices(target: Sharding, shape: tuple[int, ...]) -> dict[jax.Device, Index]:
-    return {d: normalized_index(i, shape) for d, i in target.addressable_devices_indices_map(shape).items()}
+    indices = target.addressable_devices_indices_map(shape)
+    # jax annotates the values `Index | None`, but they are those of `devices_indices_map`, never None
+    return {d: normalized_index(i, shape) for d, i in indices.items()}  # type: ignore[arg-type]
 
 
 def _overlap(a: Index, b: Index) -> Index | None:

@@ -22,7 +22,7 @@ PYTHON = function_tool("python", "Run a Python program and return what it prints
 
 @functools.cache
 def _sandbox() -> Sandbox:
-    return Sandbox(SandboxLimits(wall_s=5.0, cpu_s=5, memory_mb=512))
+    return Sandbox(SandboxLimits(timeout_s=5.0, memory_mb=512))
 
 
 async def python_tool(arguments: dict[str, Any]) -> str:

@@ -62,6 +62,11 @@ class Examples:
         return weights / weights.sum()
 
 
+def _answer(record: PromptRecord) -> str:
+    assert record.answer is not None  # `run_warm_start` refuses records without one
+    return record.answer
+
+
 def encode_examples(
     records: list[PromptRecord], render_prompt: Any, tokenizer: Tokenizer, length: int | None = None
 ) -> Examples:
@@ -71,7 +76,7 @@ def encode_examples(
     rows = []
     for record in records:
         prompt = list(render_prompt(record))
-        rows.append((prompt, [*tokenizer.encode(record.answer), stop]))
+        rows.append((prompt, [*tokenizer.encode(_answer(record)), stop]))
     width = length or max(len(p) + len(a) for p, a in rows)
     n = len(rows)
     tokens = np.full((n, width), tokenizer.pad_id, np.int32)
@@ -188,10 +193,10 @@ def run_warm_start(cfg: Any, tokenizer: Tokenizer) -> dict[str, Any]:
     started = time.perf_counter()
     with Reward(cfg.reward) as reward, build_workflow(cfg.rollout.workflow, tokenizer, reward) as workflow:
         train, heldout = build_prompts(cfg, workflow)
-        missing = [r.id for r in train if not isinstance(r.answer, str)]
+        missing = [r.id for r in train + heldout if not isinstance(r.answer, str)]
         if missing:
             raise ConfigError("warm_start.steps", f"the warm start fits answers, but {missing[0]} has none")
-        length = max(len(workflow.render_prompt(r)) + len(tokenizer.encode(r.answer)) + 1 for r in train + heldout)
+        length = max(len(workflow.render_prompt(r)) + len(tokenizer.encode(_answer(r))) + 1 for r in train + heldout)
         examples = encode_examples(train, workflow.render_prompt, tokenizer, length)
         scored = encode_examples(heldout[: warm.heldout_examples], workflow.render_prompt, tokenizer, length)
     model = random_policy(cfg.replace(model=cfg.model.replace(lora=None)), None, tokenizer)  # LoRA RL adapts it

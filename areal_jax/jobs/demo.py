@@ -51,10 +51,10 @@ def _max_logprob_gap(model: Decoder, trajectories: list[Trajectory], temperature
     positions = np.broadcast_to(np.arange(width), ids.shape)
     targets = np.roll(ids, -1, axis=1)
     scoring_temperature = temperature if temperature > 0 else 1.0
-    logp, _ = model.token_logprobs(
+    logp_device, _ = model.token_logprobs(
         jnp.asarray(ids), jnp.asarray(targets), jnp.asarray(segments), jnp.asarray(positions), scoring_temperature
     )
-    logp = np.asarray(logp)
+    logp = np.asarray(logp_device)
     gap = 0.0
     for row, t in enumerate(trajectories):
         sampled = np.flatnonzero(t.versions >= 0)  # tokens the policy drew; the logit at p - 1 predicts p

@@ -1,6 +1,7 @@
 """`areal-jax eval`: a policy (an HF checkpoint directory or a run's newest training checkpoint) evaluated on
 prompt datasets (`run_eval`). The running and scoring of prompts, and the metrics, are
-`areal_jax.rollout.evaluation` (the rollout side evaluates the held-out split with the same function).
+`areal_jax.rollout.evaluation` (a run's rollout side evaluates the held-out split with the same function:
+`system/heldout_evaluator.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from areal_jax.data.datasets import PromptRecord, load_prompts
 from areal_jax.data.tasks import drop_long_prompts
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
+from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.lora import split_trainable
 from areal_jax.models.peft_io import ADAPTER_CONFIG, load_peft_adapter, read_adapter_config
 from areal_jax.models.tokenizer import CHAR_SPEC
@@ -30,6 +32,7 @@ from areal_jax.rollout.rewards import Reward
 from areal_jax.rollout.workflow import RolloutWorkflow
 from areal_jax.run_layout import CHECKPOINTS_DIR, CONFIG_FILE, EVAL_DIR, HF_FINAL_DIR
 from areal_jax.seeds import stream_seed
+from areal_jax.system.assembly import build_meshes, build_prompts, build_tokenizer, build_workflow, check_reward_fields
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from areal_jax.weights.base import abstract_target, checkpoint_location, list_live_steps
 
@@ -185,8 +188,6 @@ def eval_experiment(cfg: ExperimentConfig, source: CheckpointSource) -> Experime
 def eval_records(cfg: ExperimentConfig, workflow: RolloutWorkflow) -> list[PromptRecord]:
     """The prompts of `cfg.eval.files` (each cut to `max_prompts` after dropping prompts longer than
     `dataset.max_prompt_tokens`), or the held-out split of the run's `dataset`."""
-    from areal_jax.system.assembly import build_prompts, check_reward_fields  # see run_eval
-
     limit = cfg.eval.max_prompts or None
     if not cfg.eval.files:
         try:
@@ -229,10 +230,6 @@ def check_eval_length(cfg: ExperimentConfig) -> None:
 def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | Path) -> tuple[EvalReport, str, str]:
     """`areal-jax eval`: load the checkpoint onto the inference mesh, evaluate it on `cfg.eval`'s prompts
     with `cfg`'s workflow and reward, and write the report into `output_dir`."""
-    # imported here, not at the top: assembly imports areal_jax.config, which imports this module for EvalConfig
-    from areal_jax.jobs.starting_policy import load_policy
-    from areal_jax.system.assembly import build_meshes, build_tokenizer, build_workflow
-
     cfg = eval_experiment(cfg, source)
     check_eval_length(cfg)
     tokenizer = build_tokenizer(cfg)
@@ -252,9 +249,9 @@ def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | 
         records = eval_records(cfg, workflow)
         logger.info("%d prompts from %s", len(records), ", ".join(dict.fromkeys(r.source for r in records)))
         engine = Engine(model, cfg.rollout.engine, mesh)
-        params = engine.load_params(nnx.state(model), version)
+        served = engine.load_params(nnx.state(model), version)
         seed = stream_seed(cfg.seed, "eval")
-        with Generator(engine, params, detokenize=tokenizer.decode, seed=seed) as generator:
+        with Generator(engine, served, detokenize=tokenizer.decode, seed=seed) as generator:
             report = evaluate(generator, workflow, records, cfg.eval, seed)
     report = dataclasses.replace(report, checkpoint=source.describe())
     json_path, md_path = report.write(output_dir)
