@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUITE_BUDGET_S=${SUITE_BUDGET_S:-1800}
-FAST_BUDGET_S=${FAST_BUDGET_S:-600}
+FAST_BUDGET_S=${FAST_BUDGET_S:-480}
 fast=0
 if [ "${1:-}" = --fast ]; then
   fast=1
