@@ -6,12 +6,13 @@
 #           `system` and `slow`, set by file in tests/conftest.py), no JetStream suite; within FAST_BUDGET_S.
 # Each run prints its 15 slowest tests and fails when the main pytest run takes longer than its budget
 # (SUITE_BUDGET_S, FAST_BUDGET_S), so a change that makes the suite slower is seen when it lands, not several
-# changes later. The budgets sit ~1.3x above what the 2-core machine took on 2026-12-03 (1,395 s and the fast
-# tier's figure in README.md); issue 38's targets, 720 s and 300 s, are not reached yet.
+# changes later. The same commit's full suite took 1,395 s and 1,769 s on the 2-core machine 40 minutes apart
+# (2026-12-03; the fast tier 346 s), so the budgets sit ~1.5x above the slower figure, past that noise; issue
+# 38's targets, 720 s and 300 s, are not reached yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SUITE_BUDGET_S=${SUITE_BUDGET_S:-1800}
-FAST_BUDGET_S=${FAST_BUDGET_S:-480}
+SUITE_BUDGET_S=${SUITE_BUDGET_S:-2700}
+FAST_BUDGET_S=${FAST_BUDGET_S:-720}
 fast=0
 if [ "${1:-}" = --fast ]; then
   fast=1
