@@ -2,8 +2,11 @@
 local` with a trainer and a rollout server that meet only through the bucket (control files, rollout log,
 Orbax weight versions polled by the server, checkpoints), the trainer's records uploaded from its local
 copy. The trainer is SIGKILLed after its first checkpoint; the run is resumed from another local copy (a
-new host), which continues the bucket's records without a gap or a repeat; then evaluated from the
-bucket."""
+new host), stopped there with SIGTERM (a checkpoint, the "resumable" exit code), and resumed again to its
+end. The bucket's records continue without a gap or a repeat, every group trains once, under the prompt an
+uninterrupted run gives its id, within the staleness bound; then the run is evaluated from the bucket.
+(This is also the crash test of the multi-process shape: tests/test_resume_prompts.py runs the one-process
+shape.)"""
 
 from __future__ import annotations
 
@@ -21,15 +24,19 @@ from areal_jax import storage
 from areal_jax.config import load_experiment
 from areal_jax.data.rollout_log_reader import read_shard
 from areal_jax.data.rollout_log_shards import list_shards
+from areal_jax.exit_codes import EXIT_RESUMABLE
 from areal_jax.trainer.checkpoint import TrainCheckpointer
 from tests.gcs_emulator import BUCKET, GcsEmulator
+from tests.prompt_order import uninterrupted_prompts
 from tests.short_runs import NO_EVAL, SHORT_TRAIN_CPU
+from tests.xla_flags import xla_flags
 
-STEPS = 6
+STEPS = 12  # the SIGTERM below lands by step 8: a few steps before the end, whichever checkpoint the kill found
+ETA = 1
 RUN = [
     "configs/train_cpu.yaml",
     "rollout.staleness.batch_prompts=4",
-    "rollout.staleness.max_head_offpolicyness=1",
+    f"rollout.staleness.max_head_offpolicyness={ETA}",
     "rollout.workflow.n_samples=4",
     *SHORT_TRAIN_CPU,
     *NO_EVAL,
@@ -50,7 +57,7 @@ def _launch(tmp_path: Path, output_dir: str, local_copy: Path, steps: int, *flag
         f"local_copy_dir={local_copy}",
         "compilation_cache_dir=null",  # the test session's cache: programs other tests compiled load from it
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one CPU device per process, as on a user's machine
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -65,6 +72,12 @@ def _server_version(run: str) -> int:
 
 def _metrics(location: str) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(location).splitlines() if line.strip()]
+
+
+def _local_steps(local_run: Path) -> int:
+    """Steps the trainer on this host has logged in its local copy (the bucket gets them at checkpoints)."""
+    path = local_run / "trained_groups.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps_its_records(
@@ -82,7 +95,7 @@ def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps
         while (TrainCheckpointer.latest_in(checkpoints) or 0) < 2 or _server_version(run) < 1:
             assert launcher.poll() is None, launcher.communicate()[0][-4000:]
             assert time.monotonic() < deadline, "no checkpoint 2 and loaded version in time"
-            time.sleep(0.5)
+            time.sleep(0.1)
         trainer = json.loads(storage.read_text(storage.join(run, "control", "trainer.json")))["pid"]
         os.kill(trainer, signal.SIGKILL)  # no final checkpoint, no last upload of its records
         output = launcher.communicate(timeout=120)[0]
@@ -91,7 +104,7 @@ def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps
             launcher.kill()
     assert launcher.returncode != 0, output[-3000:]
     killed_at = TrainCheckpointer.latest_in(checkpoints)
-    assert killed_at is not None and 2 <= killed_at < STEPS
+    assert killed_at is not None and 2 <= killed_at <= STEPS - 4  # room for the SIGTERM's two steps
 
     # the shared files are in the bucket, nothing of them on the local disk
     names = storage.names(run)
@@ -107,12 +120,37 @@ def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps
     status = json.loads(storage.read_text(storage.join(run, "control", "rollout-0.json")))
     assert status["weights_version"] >= 1 and status["weights_orbax_loads"] >= 1, status
 
-    # resumed on "another host": its local copy starts empty and is filled from the bucket
+    # resumed on "another host": its local copy starts empty and is filled from the bucket; stopped there with
+    # SIGTERM two steps past the resumed checkpoint (graceful: a checkpoint, no export, "resumable")
     resumed = _launch(tmp_path, output_dir, second_copy, STEPS, "--resume")
-    output = resumed.communicate(timeout=600)[0]
-    assert resumed.returncode == 0, output[-4000:]
+    local_run = load_experiment(None, [f"output_dir={output_dir}", "name=run", f"local_copy_dir={second_copy}"]).run_dir
+    try:
+        deadline = time.monotonic() + 300
+        while _local_steps(local_run) < killed_at + 2:
+            assert resumed.poll() is None, resumed.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "the resumed run made no progress"
+            time.sleep(0.05)
+        resumed.send_signal(signal.SIGTERM)
+        output = resumed.communicate(timeout=120)[0]
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+    assert resumed.returncode == EXIT_RESUMABLE, output[-4000:]
     assert f"resumed from step {killed_at}" in output, output[-3000:]
-    assert [m["train/version"] for m in _metrics(storage.join(run, "metrics.jsonl"))] == list(range(1, STEPS + 1))
+    stopped_at = TrainCheckpointer.latest_in(checkpoints)
+    assert stopped_at is not None and killed_at + 2 <= stopped_at < STEPS, (killed_at, stopped_at)
+    assert [m["train/version"] for m in _metrics(storage.join(run, "metrics.jsonl"))] == list(range(1, stopped_at + 1))
+    assert not storage.exists(storage.join(run, "hf_final"))
+
+    # resumed once more on the same host (its local copy is there) and run to the end
+    finished = _launch(tmp_path, output_dir, second_copy, STEPS, "--resume")
+    output = finished.communicate(timeout=600)[0]
+    assert finished.returncode == 0, output[-4000:]
+    assert f"resumed from step {stopped_at}" in output, output[-3000:]
+    metrics = _metrics(storage.join(run, "metrics.jsonl"))
+    assert [m["train/version"] for m in metrics] == list(range(1, STEPS + 1))
+    # eta bounds the version a group starts at; a batch fills in completion order, so one a version later
+    assert max(m["rollout/staleness_max"] for m in metrics) <= ETA + 1
     assert TrainCheckpointer.latest_in(checkpoints) == STEPS
 
     log = storage.join(run, "rollout_log")
@@ -124,13 +162,15 @@ def test_a_run_on_a_bucket_survives_a_killed_trainer_resumes_elsewhere_and_keeps
         for line in storage.read_text(storage.join(run, "trained_groups.jsonl")).splitlines()
         if line.strip()
     ]
-    groups = [g for line in trained for g, _ in line["groups"]]
+    groups = {g: p for line in trained for g, p in line["groups"]}
     assert [line["version"] for line in trained] == list(range(1, STEPS + 1))
-    assert len(groups) == len(set(groups)) == STEPS * 4  # every step trained 4 groups, none twice
+    assert sum(len(line["groups"]) for line in trained) == len(groups) == STEPS * 4  # 4 groups a step, none twice
+    cfg = load_experiment(RUN[0], [*RUN[1:], f"output_dir={output_dir}"])
+    assert groups == uninterrupted_prompts(cfg, groups)  # each id trained the prompt it has in any run
 
     # evaluated straight from the bucket: its newest training checkpoint, the report written next to it
     command = [sys.executable, "-m", "areal_jax.cli", "eval", "--checkpoint", run, "dataset.heldout=4"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     report = json.loads(storage.read_text(storage.join(run, "eval", "eval.json")))

@@ -19,6 +19,7 @@ from areal_jax.data.rollout_log_shards import list_shards
 from areal_jax.jsonl import read_jsonl
 from areal_jax.planning.calibration import read_calibration
 from tests.short_runs import NO_EVAL, SHORT_TRAIN_CPU
+from tests.xla_flags import xla_flags
 
 ETA = 1
 STEPS = 10
@@ -57,9 +58,7 @@ def test_launch_local_survives_a_killed_rollout_server(tmp_path: Path) -> None:
         "name=run",
         "compilation_cache_dir=null",  # the test session's cache: a restarted server loads its programs
     ]
-    env = {
-        k: v for k, v in os.environ.items() if k != "XLA_FLAGS"
-    }  # one CPU device per process, as on a user's machine
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one CPU device per process, as on a user's machine
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     run_dir = tmp_path / "run"
     status_file = run_dir / "control" / "rollout-1.json"

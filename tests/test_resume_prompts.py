@@ -1,9 +1,8 @@
-"""The running system killed for real and resumed, in both shapes of a run through the same rollout side
-(`system/rollout_side.py`): one process (engine, generator, log, pipeline, trainer: `areal-jax train`,
-SIGKILL at three random points and SIGTERM once) and a trainer process with a rollout server process
-(`areal-jax launch local --rollout 1`, the whole process group SIGKILLed at a random point, then SIGTERM
-once). Each trains every prompt exactly once under the group id an uninterrupted run gives it, within the
-staleness bound, and logs each step once."""
+"""The running system killed for real and resumed in one process (engine, generator, log, pipeline,
+trainer: `areal-jax train`, SIGKILL at three random points and SIGTERM once): it trains every prompt exactly
+once under the group id an uninterrupted run gives it, within the staleness bound, and logs each step once.
+The same for the multi-process shape (`launch local`, its trainer SIGKILLed, then SIGTERM) is
+tests/test_gcs_run.py, on a bucket."""
 
 from __future__ import annotations
 
@@ -18,18 +17,17 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 from areal_jax.config import load_experiment
 from areal_jax.data.rollout_log_reader import logged_groups
-from areal_jax.data.tasks import TaskStream, arithmetic_records
 from areal_jax.exit_codes import EXIT_RESUMABLE
 from areal_jax.jsonl import read_jsonl
 from areal_jax.models.hf_io import load_hf_checkpoint
-from areal_jax.seeds import stream_seed
 from areal_jax.trainer.checkpoint import TrainCheckpointer
+from tests.prompt_order import uninterrupted_prompts
 from tests.short_runs import SHORT_TRAIN_CPU
+from tests.xla_flags import xla_flags
 
 PROMPTS = 32  # 16 steps: every interruption below lands well inside the epoch
 BATCH = 2
@@ -54,19 +52,13 @@ DYNAMIC = [
     "rollout.workflow.truncation=keep",  # a truncated sample would be penalised to the same reward
 ]
 
-SHAPES = {
-    "one process": (["train"], None),
-    "trainer and rollout server": (["launch", "local", "--rollout", "1"], 1),  # one CPU device per process
-}
 
-
-def _start(shape: str, output_dir: Path, *extra: str) -> subprocess.Popen:
-    subcommand, devices = SHAPES[shape]
-    command = [sys.executable, "-m", "areal_jax.cli", *subcommand, *extra, *RUN, f"output_dir={output_dir}"]
+def _start(output_dir: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "areal_jax.cli", "train", *extra, *RUN, f"output_dir={output_dir}"]
     command += ["compilation_cache_dir=null"]  # the test session's cache: each restart loads its programs
-    env = {k: v for k, v in os.environ.items() if devices is None or k != "XLA_FLAGS"}
     log = output_dir.parent / f"output-{time.time_ns()}.log"  # a file: a pipe nobody reads fills up and blocks
     with log.open("w") as sink:
+        env = {**os.environ, "XLA_FLAGS": xla_flags(1)}  # one CPU device, as on a user's machine
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     process.started = time.time()  # type: ignore[attr-defined]
     process.log = log  # type: ignore[attr-defined]
@@ -78,7 +70,7 @@ def _output(process: subprocess.Popen) -> str:
 
 
 def _kill(process: subprocess.Popen) -> None:
-    """SIGKILL to the run's every process at once (the launcher's children are in its process group)."""
+    """SIGKILL to the run's every process at once (its process group)."""
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
 
@@ -111,29 +103,24 @@ def _run_until(process: subprocess.Popen, run_dir: Path, step: int, extra_delay:
 
 def _uninterrupted_prompts() -> dict[int, str]:
     """Group id -> prompt id of any run of this config: the prompt stream is a function of the seed."""
-    cfg = load_experiment(RUN[0], RUN[1:])
-    records = arithmetic_records(cfg.dataset.arithmetic, PROMPTS, stream_seed(cfg.seed, "tasks"))
-    stream = TaskStream(records, stream_seed(cfg.seed, "shuffle"), epochs=1)
-    return {g: stream.task_for(g).id for g in range(len(stream))}
+    return uninterrupted_prompts(load_experiment(RUN[0], RUN[1:]), range(PROMPTS))
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_killed_and_resumed_system_trains_every_prompt_once_in_the_same_order(tmp_path, shape):
+def test_killed_and_resumed_system_trains_every_prompt_once_in_the_same_order(tmp_path):
     run_dir = tmp_path / "b" / "async-arithmetic"
     rng = random.Random(7)
-    process = _start(shape, tmp_path / "b")
-    kills = ((3, 4), (6, 8), (10, 11)) if shape == "one process" else ((3, 5),)
-    for low, high in kills:  # SIGKILLs at random points after the first checkpoint
+    process = _start(tmp_path / "b")
+    for low, high in ((3, 4), (6, 8), (10, 11)):  # SIGKILLs at random points after the first checkpoint
         _run_until(process, run_dir, rng.randint(low, high), rng.uniform(0.0, 0.5))
         _kill(process)
-        process = _start(shape, tmp_path / "b", "--resume")
-    _run_until(process, run_dir, 13 if shape == "one process" else 9, 0.0)
+        process = _start(tmp_path / "b", "--resume")
+    _run_until(process, run_dir, 13, 0.0)
     process.send_signal(signal.SIGTERM)  # graceful: a checkpoint, nothing exported, "resumable" exit code
     assert process.wait(timeout=120) == EXIT_RESUMABLE, _output(process)
     stopped_at = _steps_done(run_dir)
     assert stopped_at < PROMPTS // BATCH and TrainCheckpointer.latest_in(run_dir / "checkpoints") == stopped_at
     assert not (run_dir / "hf_final").exists()
-    process = _start(shape, tmp_path / "b", "--resume")
+    process = _start(tmp_path / "b", "--resume")
     assert process.wait(timeout=300) == 0, _output(process)
 
     got = _trained(run_dir)
@@ -153,10 +140,10 @@ def test_killed_and_resumed_run_with_dynamic_sampling_trains_each_usable_prompt_
     """DAPO dynamic sampling across a SIGKILL: even prompts never earn a reward (uniform groups: logged
     untrained, replaced), odd ones train; each group id ends either trained once or logged untrained."""
     run_dir, extra = tmp_path / "b" / "async-arithmetic", DYNAMIC
-    process = _start("one process", tmp_path / "b", *extra)
+    process = _start(tmp_path / "b", *extra)
     _run_until(process, run_dir, 3, random.Random(3).uniform(0.0, 0.5))
     _kill(process)
-    process = _start("one process", tmp_path / "b", "--resume", *extra)
+    process = _start(tmp_path / "b", "--resume", *extra)
     assert process.wait(timeout=300) == 0, _output(process)
 
     got = _trained(run_dir)
