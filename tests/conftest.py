@@ -70,7 +70,6 @@ _LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --dura
     "test_readme_commands.py",
     "test_memory_plan.py",
     "test_distributed_trainer.py",
-    "test_launch.py",
     "test_gcs_run.py",
     "test_resume_prompts.py",
     "test_exact_resume.py",
@@ -107,6 +106,8 @@ _SLOW = frozenset(
         "test_prox_logp.py",
         "test_model_paths.py",
         "test_serving_weights.py",
+        "test_tpu_compile.py",
+        "test_moe.py",
     }
 )
 

@@ -7,7 +7,8 @@ the README says it does (its exit status, the files it writes, what it prints). 
 here (one that needs an HF checkpoint or a dataset this test does not have; the test suite itself) is at
 least parsed by the CLI, and its config file must exist. A command of a kind this file does not know fails
 the test, so an edited README is tested as it is written. The main job's run is also the check that its live
-display (its last frame), the TensorBoard event file, metrics.jsonl and the plots agree on the last step.
+display (its last frame), the TensorBoard event file, metrics.jsonl and the plots agree on the last step; the
+`launch local` run is also the crash test of a rollout server (one is SIGKILLed mid-run: tests/killed_server.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from areal_jax.exit_codes import EXIT_USER_ERROR
 from areal_jax.reporting.metric_keys import is_evaluation
 from areal_jax.reporting.run_reporter import tensorboard_tag
 from areal_jax.system.heldout_evaluator import THREAD_NAME, eval_due
+from tests.killed_server import check_the_killed_server_run, run_killing_a_server
 from tests.short_runs import SHORT_CHAIN_SUMS, SHORT_TRAIN_CPU
 from tests.xla_flags import SUITE_FLAGS
 
@@ -66,6 +68,11 @@ SHORT = {  # appended to a command that trains this config: a few small steps, p
         "compilation_cache_dir=null",
     ],
 }
+LAUNCH = [  # appended to `launch local` besides SHORT: long enough for a server's SIGKILL and restart to matter
+    "train_steps=10",
+    "cluster.weight_transfer=direct",  # the steady state pulled directly; the restarted server starts from Orbax
+    "cluster.direct_store_every=2",  # ... from a stored version up to eta behind, and catches up
+]
 # The README's placeholders, bound to what this test has: CONFIG and RUN_DIR are those of the last run,
 # <name> its name; D devices to split (a 2-core CPU), E the staleness bound, B prompts per step, I a server.
 PLACEHOLDERS = {"D": "2", "E": "1", "B": "4", "I": "0"}
@@ -273,18 +280,27 @@ class ReadmeSession:
         assert str(run_dir / "metrics.jsonl") in done.stdout  # the summary names what the run wrote
         self.runs.append(Run(config, run_dir, eta))
 
-    def launched(self, config: str, cfg: Any, done: subprocess.CompletedProcess[str]) -> None:
-        """A finished `launch local` run: every step trained once, the rollout servers wrote the groups,
-        the trainer exported the policy."""
+    def launch(self, config: str, words: list[str], readme_overrides: list[str]) -> None:
+        """A `launch local --rollout 2` run, one server SIGKILLed mid-run: every step trained once, the rollout
+        servers wrote the groups, the trainer exported the policy, the crash lost and repeated nothing."""
+        overrides = [*readme_overrides, *SHORT[config], *LAUNCH, f"output_dir={self.output_dir}"]
+        cfg = load_experiment(config, overrides)
         run_dir = Path(cfg.run_dir)
+        argv = [*words, *SHORT[config], *LAUNCH, f"output_dir={self.output_dir}"]
+        started = time.perf_counter()
+        done, victim = run_killing_a_server(argv, ROOT, self.env(), run_dir)
+        print(f"{time.perf_counter() - started:6.1f} s  {shlex.join(argv[:5])} (a server killed)")
+        assert done.returncode == 0, (
+            f"{shlex.join(argv)} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+        )
         metrics = _step_lines(run_dir, cfg)
-        assert [m["train/version"] for m in metrics] == list(range(1, STEPS + 1)), done.stdout[-3000:]
-        # eta bounds the version a group starts at; with two servers one may be trained a version later
-        assert max(m["rollout/staleness_max"] for m in metrics) <= cfg.rollout.staleness.max_head_offpolicyness + 1
+        assert [m["train/version"] for m in metrics] == list(range(1, cfg.train_steps + 1)), done.stdout[-3000:]
         assert (run_dir / "hf_final" / "config.json").is_file()
-        writers = {path.name.split("-")[0] for path in (run_dir / "rollout_log").glob("*.arrayrecord")}
-        assert writers == {"rollout0", "rollout1"}, writers  # `--rollout 2`: both servers generated
-        self.runs.append(Run(config, run_dir, cfg.rollout.staleness.max_head_offpolicyness, True))
+        eta = cfg.rollout.staleness.max_head_offpolicyness
+        check_the_killed_server_run(
+            run_dir, victim, eta, cfg.rollout.staleness.batch_prompts, done.stdout + done.stderr
+        )
+        self.runs.append(Run(config, run_dir, eta, True))
 
     def cli(self, command: ReadmeCommand, words: list[str]) -> None:
         args = parse_command_line(words[1:])  # every README command parses, whether it runs here or not
@@ -292,7 +308,7 @@ class ReadmeSession:
         config = next((word for word in rest if "=" not in word), None)
         assert config is None or (ROOT / config).is_file(), f"{command}: no config file {config}"
         if args.command in ("trainer", "rollout") and not rest:
-            return  # the roles that `launch local` starts (tests/test_launch.py), named without a config
+            return  # the roles that `launch local` starts (its run below), named without a config
         if args.command == "train" and config is None:
             return  # `areal-jax train` named in a sentence
         if args.command in ("train", "eval") and config not in SHORT:
@@ -308,9 +324,7 @@ class ReadmeSession:
                 assert said and "--overwrite" in said[-1], done.stdout[-2000:] + done.stderr[-2000:]
                 assert (Path(cfg.run_dir) / "hf_final").is_dir()  # and left alone
             elif args.command == "launch":
-                overrides = [*readme_overrides, *SHORT[config], f"output_dir={self.output_dir}"]
-                done = self.execute([*words, *SHORT[config], f"output_dir={self.output_dir}"])
-                self.launched(config, load_experiment(config, overrides), done)
+                self.launch(config, words, readme_overrides)
             else:
                 overrides = [*SHORT[config], f"output_dir={self.output_dir}"]
                 self.trained(config, overrides, self.execute([*words, *overrides]))
