@@ -2,7 +2,8 @@
 config, cached in its run directory for `train`), `eval` (pass@1/avg@k/pass@k of a checkpoint on datasets),
 `demo` (generate and score with a fresh model), `config` (print or describe a config), `convert` (re-export
 an HF checkpoint), `profile-summary` (rank the XLA operations of a trace taken with `profile.start_step=N`),
-`plan` (the inference:training device split from a calibration run), `trainer`, `rollout` and `launch local`
+`plan` (the inference:training device split from a calibration run), `compile` (the trainer's and the engine's
+programs compiled for Cloud TPU slices on any machine: docs/tpu.md), `trainer`, `rollout` and `launch local`
 (the roles as processes).
 
 A user mistake (a bad config, a missing file, a refused run directory) ends in one line on stderr and exit
@@ -31,7 +32,7 @@ def _user_errors() -> tuple[tuple[type[Exception], str], ...]:
     one-line message; the first match wins. Any other exception is an internal error and keeps its traceback."""
     from areal_jax.data.datasets import MalformedRowError
     from areal_jax.jobs.evaluate import CheckpointSourceError
-    from areal_jax.models.hf_io import CheckpointError
+    from areal_jax.models.hf_config import CheckpointError
     from areal_jax.planning.calibration import CalibrationError
     from areal_jax.system.run_dir import RunDirectoryError
 
@@ -164,7 +165,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
     if args.memory:
-        return _print_memory_plan(cfg)
+        return _print_memory_plan(cfg, args)
     if args.devices is None:
         raise ConfigError("--devices", "is required to plan the split (or give --memory for the memory plan)")
     runs = list(args.calibration)
@@ -178,20 +179,42 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_memory_plan(cfg: Any) -> int:
+def _print_memory_plan(cfg: Any, args: argparse.Namespace) -> int:
+    from areal_jax.planning.architecture import architecture
+    from areal_jax.planning.hardware import hardware, plan_for_hardware
     from areal_jax.planning.memory import GIB, USABLE_SHARE, device_capacity, plan_memory
-    from areal_jax.system.assembly import build_meshes, build_tokenizer, policy_config
+    from areal_jax.system.assembly import build_meshes
 
-    inference_mesh, trainer_mesh = build_meshes(cfg)
-    plan = plan_memory(cfg, policy_config(cfg, build_tokenizer(cfg)), trainer_mesh, inference_mesh)
+    planned = args.topology, args.rollout_topology, args.devices, args.device_memory_gib
+    capacity: int | None
+    if any(flag is not None for flag in planned):  # hardware this machine need not have
+        where = hardware(args.topology, args.rollout_topology, args.devices, args.device_memory_gib)
+        plan = plan_for_hardware(cfg, where)
+        capacity = where.device_bytes
+        print(f"memory plan on {where.name}:")
+    else:
+        inference_mesh, trainer_mesh = build_meshes(cfg)
+        plan = plan_memory(cfg, architecture(cfg), trainer_mesh, inference_mesh)
+        capacity = device_capacity(list(trainer_mesh.devices.flat))
     print("\n".join(plan.lines()))
-    capacity = device_capacity(list(trainer_mesh.devices.flat))
     if capacity is None:
         print("not checked: the devices report no memory limit")
         return 0
     plan.check(capacity)
     need = plan.host_total if plan.host else plan.device_total
     print(f"fits: {need / GIB:.1f} GiB of {capacity * USABLE_SHARE / GIB:.1f} GiB usable")
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from areal_jax.compile.report import compile_for_slice
+    from areal_jax.config import load_experiment
+
+    path, overrides = _split_config_args(args.rest)
+    cfg = load_experiment(path, overrides)
+    report = compile_for_slice(cfg, args.topology, args.rollout_topology, every_bucket=args.every_bucket)
+    print(json.dumps(report.to_json(), indent=2) if args.json else "\n".join(report.lines()))
+    report.check()
     return 0
 
 
@@ -364,13 +387,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--memory",
         action="store_true",
-        help="print the run's memory plan per device of each mesh on this machine's devices (nothing compiles) "
-        "and whether it fits; exit 2 if it cannot",
+        help="print the run's memory plan per device of each mesh (nothing compiles, no tokenizer, no weights) "
+        "on this machine's devices or on --topology / --devices with --device-memory-gib, and whether it fits; "
+        "exit 2 if it cannot",
     )
     plan.add_argument(
         "--devices",
         type=_at_least(2, "a split needs at least 2 devices (CPU: cores)"),
-        help="devices to split (on CPU: cores); required without --memory",
+        help="devices to split (on CPU: cores); required without --memory. With --memory and "
+        "--device-memory-gib: GPUs to plan for",
+    )
+    plan.add_argument(
+        "--topology", help="with --memory: plan for this Cloud TPU slice (v5e-8, v5p-8, v6e-8, ...), not this machine"
+    )
+    plan.add_argument("--rollout-topology", help="with --memory --topology: the rollout side's own slice")
+    plan.add_argument(
+        "--device-memory-gib", type=float, help="with --memory --devices N: plan for N GPUs of this much memory"
     )
     plan.add_argument(
         "--eta", type=_at_least(0, "the staleness bound"), help="default: rollout.staleness.max_head_offpolicyness"
@@ -442,6 +474,25 @@ def build_parser() -> argparse.ArgumentParser:
     summary.add_argument("directory", type=Path, help="a run's profile/ directory (or any trace directory)")
     summary.add_argument("--top", type=int, default=25)
     summary.set_defaults(func=_cmd_profile_summary)
+    compile_parser = sub.add_parser(
+        "compile",
+        parents=[debug],
+        help="compile the run's trainer and engine programs for Cloud TPU slices here (no weights, no tokenizer)",
+        epilog="per chip: the compiler's memory beside the plan, FLOPs, roofline and collectives (docs/tpu.md); "
+        "exit status 2 when a side cannot fit, naming the keys to change",
+    )
+    compile_parser.add_argument("--topology", required=True, help="the slice, e.g. v5e-8, v5p-8, v6e-8, v5p-64")
+    compile_parser.add_argument(
+        "--rollout-topology", default=None, help="the rollout side's own slice (default: it shares --topology)"
+    )
+    compile_parser.add_argument(
+        "--every-bucket",
+        action="store_true",
+        help="compile the engine's prefill, insert and decode at every length and row bucket (default: the largest)",
+    )
+    compile_parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    compile_parser.add_argument("rest", nargs="*", help="[config.yaml] [section.key=value ...]")
+    compile_parser.set_defaults(func=_cmd_compile)
     return parser
 
 

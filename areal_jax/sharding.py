@@ -30,6 +30,8 @@ LOGICAL_RULES: Mapping[str, tuple[str, ...] | None] = {
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "mlp": ("tensor",),
+    # a mixture's experts: expert parallelism over the FSDP devices (each holds E / fsdp whole experts)
+    "expert": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": None,

@@ -25,6 +25,12 @@ class ClusterConfig(Config):
     )
     restarts: int = option(3, ge=0, doc="launch local: restarts of a rollout server that dies before the run ends")
     status_every_s: float = option(2.0, gt=0, doc="how often a rollout server writes control/rollout-<i>.json")
+    floors_poll_s: float = option(
+        0.05,
+        gt=0,
+        doc="how often a rollout server publishes its admission floor and reads the other servers' "
+        "(control/rollout-<i>.floor.json: the staleness bound over several servers, docs/distributed.md)",
+    )
     weight_transfer: Literal["orbax", "direct"] = option(
         "orbax",
         doc="how new weight versions reach the rollout servers: orbax = through the store in <run>/weights; "

@@ -26,7 +26,7 @@ from scale import SHAPES
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import model_config_from_hf
+from areal_jax.models.hf_config import model_config_from_hf
 from areal_jax.sharding import MeshConfig, make_mesh
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.config import TrainerConfig

@@ -38,7 +38,7 @@ from areal_jax.inference.engine import Engine
 from areal_jax.inference.engine_config import EngineConfig
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import model_config_from_hf
+from areal_jax.models.hf_config import model_config_from_hf
 from areal_jax.models.lora import merged_state, split_trainable
 from areal_jax.models.lora_config import TARGETS, LoRAConfig
 from areal_jax.sharding import MeshConfig, make_mesh

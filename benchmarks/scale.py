@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the offline tokenizer and dataset builders of tests/tiny_hf_run.py
 
-from areal_jax.models.hf_io import model_config_from_hf, save_hf_checkpoint  # noqa: E402
+from areal_jax.models.hf_config import model_config_from_hf  # noqa: E402
+from areal_jax.models.hf_io import save_hf_checkpoint  # noqa: E402
 from areal_jax.models.init import create_decoder  # noqa: E402
 from tests.tiny_hf_run import make_bpe_tokenizer_dir, write_gsm8k_jsonl  # noqa: E402
 

@@ -94,6 +94,7 @@ _SYSTEM = frozenset(_LONG_FIRST) | {
     "test_checkpoint_dtypes.py",
     "test_profiling.py",
     "test_lora_run.py",
+    "test_moe_replay.py",
 }
 # Unit files whose compiles take tens of seconds (a full run's --durations): marked `slow`, also left out of
 # `--fast`, which keeps one quick check of each piece (the golden step, the engine, the objectives, packing).
@@ -108,6 +109,9 @@ _SLOW = frozenset(
         "test_serving_weights.py",
         "test_tpu_compile.py",
         "test_moe.py",
+        "test_hybrid_train.py",
+        "test_hybrid_layers.py",
+        "test_gated_delta.py",
     }
 )
 

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Qwen2, Qwen3, Llama-3) written by transformers, for parity tests."""
+"""Tiny random HF checkpoints (Qwen2, Qwen3, Llama-3, Qwen3-MoE) written by transformers, for parity tests."""
 
 from __future__ import annotations
 
@@ -34,6 +34,31 @@ VARIANTS = {
             ),
         ),
     ),
+    # dense MLP layers 1 and 2 between sparse ones; top-k probabilities as they come
+    "qwen3moe-mixed": (
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            mlp_only_layers=[1, 2],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # every layer sparse, top-k renormalised
+    "qwen3moe-renorm-tied": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -43,7 +68,7 @@ def make_hf_checkpoint(variant: str, directory: Path, seed: int = 0, dtype: str 
     import transformers
 
     config_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**TINY, **extra)
+    config = getattr(transformers, config_cls)(**{**TINY, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -25,6 +25,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.tokenizer import CharTokenizer, HFTokenizer
 from areal_jax.rollout.agent_config import AgentConfig
+from areal_jax.rollout.staleness import Admission
 from tests.tiny_hf_run import make_bpe_tokenizer_dir
 
 # Qwen2.5's chat template with tools (Hermes <tool_call> syntax), its long tool preamble cut to the tools' names
@@ -152,13 +153,13 @@ class Gate:
         self.admitted = 0
         self.released = 0
 
-    def try_admit(self) -> bool:
+    def try_admit(self) -> Admission | None:
         if self.open.is_set():
             self.admitted += 1
-            return True
-        return False
+            return Admission(version=0)
+        return None
 
-    def release(self) -> None:
+    def release(self, admission: Admission) -> None:
         self.released += 1
 
 

@@ -25,9 +25,12 @@ def test_server_shares_add_up_to_the_one_process_bound(servers: int) -> None:
 def test_servers_together_admit_exactly_the_one_process_bound() -> None:
     config = StalenessConfig(max_head_offpolicyness=2, batch_prompts=5, max_concurrent=100)
     managers = [StalenessManager(config, version=1, server=i, servers=3) for i in range(3)]
-    admitted = sum(1 for m in managers for _ in iter(functools.partial(m.wait_for_capacity, 0), False))
+    assert all(m.wait_for_capacity(0) is None for m in managers)  # not before it knows the others' floors
+    for manager in managers:
+        manager.set_peer_floor(1)
+    admitted = sum(1 for m in managers for _ in iter(functools.partial(m.wait_for_capacity, 0), None))
     single = StalenessManager(config, version=1)
-    assert admitted == sum(1 for _ in iter(functools.partial(single.wait_for_capacity, 0), False)) == (2 + 1 + 1) * 5
+    assert admitted == sum(1 for _ in iter(functools.partial(single.wait_for_capacity, 0), None)) == (2 + 1 + 1) * 5
     for manager in managers:
         manager.set_version(2)
     assert sum(m.snapshot().capacity for m in managers) == 5  # one more batch per version, over all servers

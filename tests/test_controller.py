@@ -14,7 +14,7 @@ from areal_jax.models.tokenizer import CharTokenizer
 from areal_jax.rewards.synthetic import ArithmeticTaskConfig, arithmetic_reward, make_problems
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.environments import SyntheticRewardFn, arithmetic_prompt_record
-from areal_jax.rollout.staleness import StalenessConfig, StalenessManager
+from areal_jax.rollout.staleness import Admission, StalenessConfig, StalenessManager
 from areal_jax.rollout.workflow import RLVRWorkflow, WorkflowConfig
 
 
@@ -48,7 +48,7 @@ class ParkedStaleness(StalenessManager):
         super().__init__(config)
         self.parked = 0
 
-    def wait_for_capacity(self, timeout: float | None = None) -> bool:
+    def wait_for_capacity(self, timeout: float | None = None) -> Admission | None:
         self.parked += 1
         try:
             return super().wait_for_capacity(timeout)

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from areal_jax.models.hf_io import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
+from areal_jax.models.hf_config import CheckpointError
+from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from tests.hf_fixtures import hf_logits, make_hf_checkpoint
 
 

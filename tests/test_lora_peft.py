@@ -14,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 from areal_jax.config import load_experiment
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import CheckpointError, load_hf_checkpoint
+from areal_jax.models.hf_config import CheckpointError
+from areal_jax.models.hf_io import load_hf_checkpoint
 from areal_jax.models.lora_config import LoRAConfig
 from areal_jax.models.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, save_peft_adapter
 from areal_jax.system.assembly import export_policy

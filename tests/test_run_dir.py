@@ -14,7 +14,7 @@ from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError, to_yaml
 from areal_jax.exit_codes import EXIT_RESUMABLE, EXIT_USER_ERROR
 from areal_jax.jobs import train
-from areal_jax.models.hf_io import model_config_to_hf
+from areal_jax.models.hf_config import model_config_to_hf
 from areal_jax.system.run_dir import (
     MARKER,
     RESUME_MAY_CHANGE,

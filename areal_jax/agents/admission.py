@@ -6,26 +6,27 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.staleness import Admission, StalenessManager
 
 
 class EpisodeAdmission(Protocol):
-    def try_admit(self) -> bool:
-        """Admit one episode now if the bound allows (True), else refuse (False); never blocks."""
+    def try_admit(self) -> Admission | None:
+        """Admit one episode now if the bound allows, else refuse (None); never blocks."""
 
-    def release(self) -> None:
+    def release(self, admission: Admission) -> None:
         """An admitted episode ended."""
 
 
 class StalenessAdmission:
     """Episodes counted against the rollout side's staleness bound, like prompts. An external episode's
-    samples are returned to its client, not handed to the trainer, so it ends as rejected."""
+    samples are returned to its client, not handed to the trainer, so it ends as rejected and, however long it
+    runs, holds no admission floor back."""
 
     def __init__(self, staleness: StalenessManager):
         self.staleness = staleness
 
-    def try_admit(self) -> bool:
-        return self.staleness.wait_for_capacity(timeout=0)
+    def try_admit(self) -> Admission | None:
+        return self.staleness.wait_for_capacity(timeout=0, trains=False)
 
-    def release(self) -> None:
-        self.staleness.finish(accepted=False)
+    def release(self, admission: Admission) -> None:
+        self.staleness.finish(admission, accepted=False)

@@ -213,8 +213,8 @@ class AgentProxy:
         self._ended[session_id] = None
         while len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
-        if session.external and self.admission is not None:
-            self.admission.release()
+        if session.admission is not None and self.admission is not None:
+            self.admission.release(session.admission)
         return session.leaves()
 
     def _session(self, route: Route, body: Any) -> Session:
@@ -232,7 +232,8 @@ class AgentProxy:
             return session
         if session_id in self._ended:
             raise HTTPRefusal(410, f"episode {session_id!r} has ended", "invalid_request_error")
-        if self.admission is not None and not self.admission.try_admit():
+        admission = None
+        if self.admission is not None and (admission := self.admission.try_admit()) is None:
             raise HTTPRefusal(
                 429,
                 "admission is closed: rollouts are as far ahead of the trainer as the staleness bound allows; "
@@ -240,7 +241,7 @@ class AgentProxy:
                 "rate_limit_exceeded",
                 {"Retry-After": str(self.config.retry_after_s)},
             )
-        session = self._sessions[session_id] = Session(session_id, external=True)
+        session = self._sessions[session_id] = Session(session_id, external=True, admission=admission)
         return session
 
     def _web(self, kind: str) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -341,6 +342,7 @@ def _sequence_json(seq: TokenSequence) -> dict[str, Any]:
         "turns": seq.turns,
         "finish_reason": seq.finish_reason,
         "template_divergences": seq.divergences,
+        "routing": None if (routing := seq.routing_array()) is None else routing.tolist(),
     }
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.requests import GenerationResult
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.rollout.staleness import Admission
 
 
 @dataclasses.dataclass
@@ -41,6 +42,9 @@ class TokenSequence:
     finish_reason: str = "stop"
     ended: float = 0.0
     superseded: bool = False
+    # a mixture of experts' routing of `ids` in pieces ([n, Ym, K] each): each turn adds its context's (that turn's
+    # prefill) and its outputs'; None once a turn came without (a dense model)
+    routing: list[np.ndarray] | None = dataclasses.field(default_factory=list)
 
     def extended(self, context: Sequence[int], result: GenerationResult, **fields: Any) -> TokenSequence:
         """A copy with `context` and the model's `result` after it (this sequence itself is unchanged)."""
@@ -57,8 +61,20 @@ class TokenSequence:
             finish_reason=result.finish_reason,
             ended=time.perf_counter(),
             superseded=False,
+            routing=self._routing_with(context, result),
         )
         return dataclasses.replace(out, **fields)
+
+    def _routing_with(self, context: Sequence[int], result: GenerationResult) -> list[np.ndarray] | None:
+        """`routing` with the turn's new tokens' (its result's routing past the tokens already recorded)."""
+        end = len(self.ids) + len(context) + len(result.output_ids)
+        if self.routing is None or result.routing is None or len(result.routing) != end:
+            return None
+        return [*self.routing, result.routing[len(self.ids) :]]
+
+    def routing_array(self) -> np.ndarray | None:
+        """`routing` as one [T, Ym, K] array (None when not recorded)."""
+        return np.concatenate(self.routing) if self.routing else None
 
     def trajectory(self, reward: float, train: bool, **fields: Any) -> Trajectory:
         mask = np.asarray(self.model, np.bool_) if train else np.zeros(len(self.ids), np.bool_)
@@ -69,6 +85,7 @@ class TokenSequence:
             loss_mask=mask,
             prompt_length=self.prompt_length,
             reward=reward,
+            routing=self.routing_array(),
             **fields,
         )
 
@@ -80,6 +97,7 @@ class Session:
     session_id: str
     external: bool  # started by a client's first request (admitted by the proxy), not by the agent workflow
     sampling: SamplingParams | None = None  # its turns' base sampling; None = the proxy's
+    admission: Admission | None = None  # an external episode's, released when it ends
     sequences: list[TokenSequence] = dataclasses.field(default_factory=list)
     in_flight: set[str] = dataclasses.field(default_factory=set)
     closed: bool = False

@@ -6,7 +6,9 @@ Format version 1: one msgpack map per record
    "token_ids" | "behav_logprobs" | "versions" | "loss_mask": {"dtype": "<i4", "shape": [T], "data": bytes},
    "prompt_length": int, "reward": float, "prompt_id": str, "group_id": int, "sample_index": int,
    "sequence_index": int, "num_sequences": int (schema 2; a schema-1 record is sequence 0 of 1),
-   "reward_components": {str: float}, "timings": {str: float}, "metadata": {str: msgpack value}}
+   "reward_components": {str: float}, "timings": {str: float}, "metadata": {str: msgpack value},
+   "routing": {array [T, Ym, K] uint8/uint16}, present only when the trajectory has routing (a mixture of experts;
+   a record without it reads as routing None)}
 Arrays are stored little-endian with their dtype. A reader refuses a newer format or schema version.
 """
 
@@ -68,6 +70,8 @@ def encode_record(trajectory: Trajectory, writer_id: str, seq: int, appended_at:
     }
     for name in _ARRAY_FIELDS:
         record[name] = _encode_array(getattr(trajectory, name))
+    if trajectory.routing is not None:
+        record["routing"] = _encode_array(trajectory.routing)
     return msgpack.packb(record, default=_plain, use_bin_type=True)
 
 
@@ -98,5 +102,6 @@ def decode_record(data: bytes) -> tuple[str, int, float, Trajectory]:
         timings=record["timings"],
         metadata=record["metadata"],
         schema_version=record["schema_version"],
+        routing=_decode_array(record["routing"]) if "routing" in record else None,
     )
     return record["writer"], record["seq"], record["appended_at"], trajectory

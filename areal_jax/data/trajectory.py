@@ -40,6 +40,10 @@ class Trajectory:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # a mixture of experts' routing, [T, Ym, K] uint8/uint16: each token's experts in each sparse layer as the
+    # sampler routed it (`GenerationResult.routing`), what `trainer.moe.routing_replay: rollout` replays; None when
+    # dense or not recorded (the last token's is never read: it is no input)
+    routing: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -49,6 +53,11 @@ class Trajectory:
                     f"trajectory {self.prompt_id}/{self.sample_index}: {name} has length "
                     f"{len(getattr(self, name))}, token_ids has {n}"
                 )
+        if self.routing is not None and (self.routing.ndim != 3 or len(self.routing) != n):
+            raise ValueError(
+                f"trajectory {self.prompt_id}/{self.sample_index}: routing has shape {self.routing.shape}, "
+                f"expected [{n}, sparse layers, experts per token]"
+            )
         if not 0 <= self.sequence_index < self.num_sequences:
             raise ValueError(
                 f"trajectory {self.prompt_id}/{self.sample_index}: sequence_index {self.sequence_index} outside "

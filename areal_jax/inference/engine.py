@@ -10,6 +10,9 @@
   place; the decode state is donated), samples each slot's next token, and returns the tokens it fed
   with their behaviour log-probs. A slot's first `generate` thus emits the token sampled at insert.
 
+With a mixture of experts, prefill also returns every prompt position's experts and `generate` those of each
+token it feeds ([Ym, K] per token, Ym sparse layers, `routing_dtype`): what routing replay trains with.
+
 The KV cache is dense (`kv_cache: dense`: [slots, max_length] per layer, whatever the tokens in flight)
 or paged (`kv_cache: paged`, `paged.py`): pages of `page_size` tokens from one pool, a page table per
 slot. A paged engine's `insert_batch` takes each row's pages and its `generate` the step's page-table
@@ -67,6 +70,7 @@ class PrefixBatch:
     cache: KVCache | PrefixEntries
     logits: jax.Array
     lengths: jax.Array
+    routing: jax.Array | None = None  # [B, Tb, Ym, K] each position's experts (a mixture of experts; else None)
 
 
 @flax.struct.dataclass
@@ -89,6 +93,7 @@ class ResultTokens:
 
     tokens: jax.Array  # [S]
     logprobs: jax.Array  # [S]
+    routing: jax.Array | None = None  # [S, Ym, K] the experts each fed token was routed to (mixture of experts)
 
 
 def cache_shardings(model: ModelConfig, batch: int, length: int, mesh: Mesh) -> KVCache:
@@ -357,11 +362,13 @@ class Engine:
 
     def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
         model = nnx.merge(self.graphdef, state)
-        if self.config.paged:
+        routing = None
+        if self.model_config.moe is None:  # the plain call: a family without experts may override it
             logits_BxV, k, v = model.prefill_entries(tokens_BxT, lengths_B)
-            return PrefixBatch(cache=PrefixEntries(k=k, v=v), logits=logits_BxV, lengths=lengths_B)
-        logits_BxV, cache = model.prefill(tokens_BxT, lengths_B, self.buckets[0])
-        return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B)
+        else:
+            logits_BxV, k, v, routing = model.prefill_entries_routed(tokens_BxT, lengths_B)
+        cache = PrefixEntries(k=k, v=v) if self.config.paged else KVCache.from_entries(k, v, self.buckets[0])
+        return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B, routing=routing)
 
     def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:
         batch = self._prefill_batch_impl(state, tokens_T[None, :], length[None])
@@ -428,11 +435,15 @@ class Engine:
         limit = self.config.max_length if attend_length is None else attend_length
         positions = jnp.minimum(ds.positions, limit - 1)
         assert isinstance(ds.cache, KVCache)  # a dense engine's
-        logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length, layers)
+        routing = None
+        if self.model_config.moe is None:
+            logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length, layers)
+        else:
+            logits_SxV, cache, routing = model.decode_step_routed(ds.tokens, positions, ds.cache, attend_length, layers)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
-        emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs)
+        emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs, routing=routing)
         new_state = dataclasses.replace(
             ds,
             cache=cache,
@@ -457,13 +468,16 @@ class Engine:
         # Idle slots' table rows have no page (their writes are dropped); their positions are clamped so
         # they index the table and the mask like any slot.
         positions = jnp.minimum(ds.positions, attend_pages * self.config.page_size - 1)
-        logits_SxV, k, v = model.decode_step_paged(
-            ds.tokens, positions, cache.k, cache.v, cache.page_table, attend_pages, layers
-        )
+        args = (ds.tokens, positions, cache.k, cache.v, cache.page_table, attend_pages, layers)
+        routing = None
+        if self.model_config.moe is None:
+            logits_SxV, k, v = model.decode_step_paged(*args)
+        else:
+            logits_SxV, k, v, routing = model.decode_step_paged_routed(*args)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
-        emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs)
+        emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs, routing=routing)
         new_state = dataclasses.replace(
             ds,
             cache=dataclasses.replace(cache, k=k, v=v),

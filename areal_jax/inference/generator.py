@@ -29,7 +29,9 @@ The loop blocks on the inbox while it has nothing to do. Each iteration, between
      and the token its slot produced meanwhile is dropped. With `pipelined=False` a step's tokens are
      handled right after it is dispatched (the baseline).
 Every output token keeps the behaviour log-prob and the policy version of the weights that sampled it: a
-step dispatched before a weight swap is handled (and attributed to the old version) before the swap.
+step dispatched before a weight swap is handled (and attributed to the old version) before the swap. With a
+mixture of experts it also keeps its routing (the experts the step that fed it chose, under the same weights),
+and the prompt's routing is that of the sample's last prefill (`GenerationResult.routing`).
 
 With a paged KV cache (`kv_cache: paged`) the loop also owns the page allocator (`PagedSlots`): a sample
 gets the pages of its prompt and first decoded position when admitted, one more page before the step that
@@ -53,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import threading
@@ -64,33 +65,24 @@ from typing import Literal
 import numpy as np
 from flax import nnx
 
-from areal_jax.inference.engine import DecodeState, PrefixBatch, VersionedParams, bucket_for
+from areal_jax.inference.engine import DecodeState, VersionedParams, bucket_for
 from areal_jax.inference.inbox import Abort, Close, Inbox, Submit, Update, resolve
 from areal_jax.inference.paged import PagedSlots
-from areal_jax.inference.requests import DispatchedStep, FinishReason, GenerationResult, PrefillJob, Request, Sample
+from areal_jax.inference.requests import (
+    DispatchedStep,
+    FinishReason,
+    GenerationResult,
+    GeneratorStats,
+    PrefillJob,
+    Request,
+    Sample,
+)
 from areal_jax.inference.sampling import SamplingParams
 from areal_jax.inference.seeds import mix_seed, sample_key_words
 from areal_jax.inference.serving_engine import ServingEngine
 from areal_jax.inference.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class GeneratorStats:
-    prefills: int = 0
-    prefill_calls: int = 0
-    decode_steps: int = 0
-    emitted_tokens: int = 0
-    interruptions: int = 0
-    updates: int = 0
-    busy_slot_steps: int = 0
-    shared_prefills: int = 0  # requests that joined a queued request's prefill of the same prompt
-    preemptions: int = 0  # samples sent back to the queue for want of KV pages (paged cache)
-    admission_waits: int = 0  # admissions stopped at a sample whose KV pages were not free (paged cache)
-    pages_in_use: int = 0  # KV pages held by samples during the last decode step (paged cache)
-    peak_pages_in_use: int = 0
-    busy_seconds: float = 0.0  # wall time the loop spent working (not waiting for requests): the planner's rate
 
 
 class Generator:
@@ -375,13 +367,13 @@ class Generator:
         self._prefill_jobs([job for job in dict.fromkeys(j for j, _, _ in placed) if job.prefix is None], self._jobs)
         by_prefix: dict[int, list[tuple[PrefillJob, Sample, int]]] = collections.defaultdict(list)
         for entry in placed:
-            by_prefix[id(_prefix(entry[0])[0])].append(entry)
+            by_prefix[id(entry[0].placed_prefix()[0])].append(entry)
         for entries in by_prefix.values():
-            batch = _prefix(entries[0][0])[0]
+            batch = entries[0][0].placed_prefix()[0]
             # round r inserts the r-th sample of every prompt in the batch: one call per round
             per_row: dict[int, list[tuple[PrefillJob, Sample, int]]] = collections.defaultdict(list)
             for entry in entries:
-                per_row[_prefix(entry[0])[1]].append(entry)
+                per_row[entry[0].placed_prefix()[1]].append(entry)
             for round_index in range(max(len(v) for v in per_row.values())):
                 chosen = {row: items[round_index] for row, items in per_row.items() if round_index < len(items)}
                 used_rows = max(chosen) + 1
@@ -404,6 +396,8 @@ class Generator:
                         batch, self._decode_state, slots, samplings, key_data, pages
                     )
             for job, sample, slot in entries:
+                batch, row = job.placed_prefix()
+                sample.prompt_routing = None if batch.routing is None else (batch.routing, row)
                 job.samples.remove(sample)
                 sample.slot = slot
                 sample.admitted = next(self._admissions)
@@ -492,6 +486,8 @@ class Generator:
             )
         emitted.tokens.copy_to_host_async()
         emitted.logprobs.copy_to_host_async()
+        if emitted.routing is not None:
+            emitted.routing.copy_to_host_async()
         self.stats.decode_steps += 1
         for slot, sample in active:
             sample.in_flight += 1
@@ -505,6 +501,7 @@ class Generator:
         """Give each token of `step` to the sample that held its slot at dispatch (unless that sample has
         finished since) and check its stop conditions."""
         tokens, logprobs = np.asarray(step.emitted.tokens), np.asarray(step.emitted.logprobs)
+        routing = None if step.emitted.routing is None else np.asarray(step.emitted.routing)
         now = time.perf_counter()
         for slot, sample in step.samples:
             sample.in_flight -= 1
@@ -514,25 +511,15 @@ class Generator:
             self.stats.emitted_tokens += 1
             sample.output_ids.append(int(tokens[slot]))
             sample.logprobs.append(float(logprobs[slot]))
+            if routing is not None:
+                sample.routing.append(routing[slot])
             sample.versions.append(sample.pending_version)
             sample.pending_version = step.version
             if sample.first_token_time is None:
                 sample.first_token_time = now
-            reason = self._stop_reason(sample)
+            reason = sample.stop_reason(self.engine.config.max_length)
             if reason is not None:
                 self._finish(sample, reason)
-
-    def _stop_reason(self, sample: Sample) -> FinishReason | None:
-        sampling = sample.request.sampling
-        if sample.output_ids[-1] in sampling.stop_token_ids:
-            return "stop"
-        if sample.stop_strings is not None and sample.stop_strings.push(sample.output_ids[-1]):
-            return "stop"
-        if len(sample.output_ids) >= sampling.max_new_tokens:
-            return "length"
-        if len(sample.request.prompt_ids) + len(sample.output_ids) >= self.engine.config.max_length:
-            return "length"
-        return None
 
     def _finish(self, sample: Sample, reason: FinishReason) -> None:
         if sample.slot is not None:
@@ -548,6 +535,7 @@ class Generator:
             output_versions=tuple(sample.versions),
             finish_reason=reason,
             num_interruptions=sample.interruptions,
+            routing=sample.full_routing(),
             timings={
                 "queued_to_first_token": (sample.first_token_time or now) - request.submitted,
                 "total": now - request.submitted,
@@ -557,8 +545,3 @@ class Generator:
             del self._requests[request.request_id]
             self._count_in_flight(-1)
             resolve(request.future, [s.result for s in request.samples])
-
-
-def _prefix(job: PrefillJob) -> tuple[PrefixBatch, int]:
-    assert job.prefix is not None  # `_admit` prefills every job it places before reading its prefix
-    return job.prefix

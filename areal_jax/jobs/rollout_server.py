@@ -5,9 +5,12 @@ runs its `RolloutSide` (`system/rollout_side.py`, server i of N: ids g % N == i,
 bound; where it goes on, its writer id, applying a version and the held-out evaluations are written there,
 the same as in the one-process run). A follower thread polls the weight path (`weight_paths.py`: the
 store, or the direct path's announcements beside it) and applies each new version. Its status file counts
-the loads per path with the last one's load time and lag, which the trainer's metrics report. The server
-ends when the trainer writes the stop marker, when its prompts run out (`control/rollout-<i>.done`) or
-when its failure budget is spent (`control/rollout-<i>.failed`, which stops the trainer too).
+the loads per path with the last one's load time and lag, which the trainer's metrics report. Its main loop
+also exchanges admission floors with the other servers (`admission_floors.py`: what keeps the staleness
+bound of one process over several servers), and a restarted server admits from the floor it published
+before (`open_rollout_side(admits_from=...)`). The server ends when the trainer writes the stop marker,
+when its prompts run out (`control/rollout-<i>.done`, its floor withdrawn first) or when its failure budget
+is spent (`control/rollout-<i>.failed`, which stops the trainer too).
 
 With `distributed.enabled` over several processes (hosts), the server is one program whose engine mesh
 spans every process's devices: process 0 runs everything above on a `MirroredEngine`, the other processes
@@ -48,6 +51,7 @@ from areal_jax.rollout.rewards import Reward
 from areal_jax.run_layout import EVAL_DIR
 from areal_jax.sharding import make_mesh
 from areal_jax.system import resources
+from areal_jax.system.admission_floors import FloorExchange
 from areal_jax.system.assembly import (
     abstract_policy,
     build_prompts,
@@ -65,6 +69,7 @@ from areal_jax.system.command_channel import CommandReceiver, CommandSender, Pee
 from areal_jax.system.mirrored_engine import MirroredEngine, MirroredWeights, follow
 from areal_jax.system.rollout_side import RolloutSide, open_rollout_side
 from areal_jax.system.run_mirror import mirroring
+from areal_jax.system.slowed_engine import slowed_for_benchmarks
 from areal_jax.system.weight_paths import open_subscriber
 from areal_jax.weights.base import WeightSubscriber, abstract_target
 
@@ -158,7 +163,15 @@ def _serve(
             train_prompts, heldout = build_prompts(cfg, workflow)
             stream = build_task_stream(cfg, train_prompts)
             with open_rollout_side(
-                cfg, engine, *_newest(subscriber, target), workflow, stream, heldout, server=server, servers=servers
+                cfg,
+                slowed_for_benchmarks(engine, server),
+                *_newest(subscriber, target),
+                workflow,
+                stream,
+                heldout,
+                server=server,
+                servers=servers,
+                admits_from=control.floor(server) or 0,  # a restarted server keeps the floor it published
             ) as side:  # the newest version's params are a temporary: the engine's copy is the only one kept
                 return _serve_side(cfg, server, control, subscriber, engine, side, target, stop_event)
     finally:
@@ -178,7 +191,8 @@ def _serve_side(
     loaded: queue.Queue[_Loaded] = queue.Queue()
     follower = _WeightFollower(subscriber, side, target, cfg, side.generator.version, loaded, stop_event)
     follower.start()
-    serving = _Serving(cfg, server, control, side, loaded)
+    floors = FloorExchange(control, server, side.staleness)
+    serving = _Serving(cfg, server, control, side, loaded, floors)
     try:
         ended_by = serving.run(stop_event)
     finally:
@@ -194,6 +208,7 @@ def _serve_side(
         control.mark_failed(server, str(side.failure))
         raise RolloutServerError(str(side.failure))
     if ended_by == "done":
+        floors.withdraw()
         control.mark_done(server)
     return RolloutServerSummary(
         server=server,
@@ -350,12 +365,19 @@ class _WeightFollower(threading.Thread):
 
 
 class _Serving:
-    """The server's main loop: status files and the end of serving."""
+    """The server's main loop: status files, the admission floors and the end of serving."""
 
     def __init__(
-        self, cfg: ExperimentConfig, server: int, control: ControlFiles, side: RolloutSide, loaded: queue.Queue[_Loaded]
+        self,
+        cfg: ExperimentConfig,
+        server: int,
+        control: ControlFiles,
+        side: RolloutSide,
+        loaded: queue.Queue[_Loaded],
+        floors: FloorExchange,
     ):
         self.cfg, self.server, self.control, self.side, self.loaded = cfg, server, control, side, loaded
+        self.floors = floors
         self.versions_loaded = 0
         self.loads_by_source: dict[str, int] = {}
         self.weights: dict[str, float] = {DIRECT_FALLBACKS: 0} if cfg.cluster.weight_transfer == "direct" else {}
@@ -372,8 +394,9 @@ class _Serving:
                 return "done"
             if stop_event.is_set():
                 return "signal"
+            self.floors.exchange()
             try:
-                news = self.loaded.get(timeout=min(every, 0.2))
+                news = self.loaded.get(timeout=min(every, self.cfg.cluster.floors_poll_s))
             except queue.Empty:
                 news = None
             if news is not None:

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 
 from areal_jax import storage
 from areal_jax.config import ExperimentConfig
-from areal_jax.inference.generator import GeneratorStats
+from areal_jax.inference.requests import GeneratorStats
 from areal_jax.jobs.train import RunSummary, train
 from areal_jax.multiprocess import TrainerProcesses
 from areal_jax.reporting.metric_keys import QUEUE
@@ -69,6 +69,7 @@ class RemoteRollouts:
         primary = self.processes.primary
         if primary:
             self.control.clear()
+            self.control.reset_floors(trainer.version)
         _drop_versions_after(self.cfg.layout.weights, trainer.version)  # Orbax: every process takes part
         self.processes.barrier("areal-weights-trimmed")
         publisher = open_publisher(self.cfg)

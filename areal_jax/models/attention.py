@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from areal_jax.activation_sharding import mesh_platform
+
 AttentionFn = Callable[..., jax.Array]
 
 # Queries per block of the row attention: rows up to this long are one block.
@@ -170,9 +172,10 @@ def xla_paged_decode_attention(
 
 
 def tpu_paged_kernel_applies(head_dim: int, page_size: int) -> bool:
-    """Whether JAX's TPU paged attention kernel takes these shapes here: on TPU only, head dims a
-    multiple of 128 and pages a multiple of 8 tokens (its block tiling)."""
-    return jax.default_backend() == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0
+    """Whether JAX's TPU paged attention kernel takes these shapes in the program being built: for TPU devices
+    only (the mesh's, `mesh_platform`), head dims a multiple of 128 and pages a multiple of 8 tokens (its block
+    tiling)."""
+    return mesh_platform() == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0
 
 
 def tpu_paged_decode_attention(
@@ -185,15 +188,41 @@ def tpu_paged_decode_attention(
     b, _, n, h = q_Bx1xNxH.shape
     q_BxNxH = (q_Bx1xNxH[:, 0] * (h**-0.5)).astype(k_pages.dtype)
     m = pages_BxM.shape[1]
-    out_BxNxH = paged_attention(
-        q_BxNxH,
-        k_pages,
-        v_pages,
-        (positions_B + 1).astype(jnp.int32),
-        pages_BxM,
-        pages_per_compute_block=pages_per_block(k_pages.shape[2], m),
-    )
+
+    def kernel(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, pages: jax.Array) -> jax.Array:
+        return paged_attention(q, k, v, lengths, pages, pages_per_compute_block=pages_per_block(k.shape[2], m))
+
+    lengths_B = (positions_B + 1).astype(jnp.int32)
+    out_BxNxH = _on_mesh_shards(kernel, q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
     return out_BxNxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
+
+
+def _on_mesh_shards(
+    kernel: Callable[..., jax.Array],
+    q_BxNxH: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths_B: jax.Array,
+    pages_BxM: jax.Array,
+) -> jax.Array:
+    """`kernel` per shard of the mesh of `jax.set_mesh` (XLA cannot partition a Pallas kernel): slots split
+    like the decode state's, heads like the pools' (query heads with their KV heads), pools whole along the
+    slot axes (any slot may hold any page). Without a mesh of several devices, `kernel` as it is."""
+    from areal_jax.sharding import logical_to_spec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
+    P = jax.sharding.PartitionSpec
+    heads = logical_to_spec(("kv_heads",), k_pages.shape[:1], mesh)[0]
+    slots = logical_to_spec(("slots",), q_BxNxH.shape[:1], mesh)[0]
+    pool = P(heads, None, None, None)
+    return jax.shard_map(
+        kernel,
+        in_specs=(P(slots, heads, None), pool, pool, P(slots), P(slots, None)),
+        out_specs=P(slots, heads, None),
+        check_vma=False,
+    )(q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
 
 
 def paged_decode_attention(

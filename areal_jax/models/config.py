@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.configuration import Config, ConfigError, option
+from areal_jax.models.hybrid_config import HybridConfig, check_hybrid, hybrid_matmul_flops_per_token, hybrid_num_params
 from areal_jax.models.lora_config import LoRAConfig, check_rank
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -51,10 +52,44 @@ class RopeScalingConfig(Config):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig(Config):
+    """The sparse feed-forward of a mixture-of-experts family (HF Qwen3-MoE's fields; `models/moe.py`)."""
+
+    num_experts: int = option(8, ge=1, doc="routed experts E per sparse layer (HF num_experts)")
+    experts_per_token: int = option(2, ge=1, doc="experts each token is routed to, top-k (HF num_experts_per_tok)")
+    expert_intermediate_size: int = option(64, ge=1, doc="SwiGLU hidden width of one expert (HF moe_intermediate_size)")
+    norm_topk_prob: bool = option(
+        False, doc="renormalise the top-k router probabilities to sum to 1 (HF norm_topk_prob; Qwen3-MoE: true)"
+    )
+    decoder_sparse_step: int = option(
+        1, ge=1, doc="layer i (from 0) is sparse when (i + 1) % decoder_sparse_step == 0, else a dense MLP"
+    )
+    mlp_only_layers: tuple[int, ...] = option((), doc="layers that keep a dense MLP whatever decoder_sparse_step says")
+    router_aux_loss_coef: float = option(
+        0.0,
+        ge=0,
+        doc="weight of the routers' Switch load-balancing loss (`moe.load_balancing_loss`, HF's "
+        "load_balancing_loss_func over all sparse layers) added to the policy loss; 0 = off. HF checkpoints carry "
+        "0.001 but apply it only with output_router_logits, so it is not read from them",
+    )
+    grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = option(
+        "auto",
+        doc="the experts' grouped matmul: ragged_dot (portable), megablox (Pallas, TPU); auto: megablox when "
+        "the mesh's devices are TPUs, else ragged_dot",
+    )
+
+    def validate(self) -> None:
+        if self.experts_per_token > self.num_experts:
+            raise ConfigError(
+                "experts_per_token", f"value {self.experts_per_token} exceeds num_experts={self.num_experts}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig(Config):
     """Architecture and numerics of the decoder."""
 
-    family: Literal["qwen2", "qwen3", "llama"] = option("qwen2", doc="HF architecture family")
+    family: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen3_5"] = option("qwen2", doc="HF architecture family")
     vocab_size: int = option(256, ge=1, doc="number of token ids")
     vocab_limit: int | None = option(
         None,
@@ -112,6 +147,10 @@ class ModelConfig(Config):
         None,
         doc="low-rank adapters on the projections: only they train and travel to the engines; null = full training",
     )
+    moe: MoEConfig | None = option(None, doc="the sparse layers' experts (family qwen3_moe only); null = dense")
+    hybrid: HybridConfig | None = option(
+        None, doc="the linear- and full-attention layers of family qwen3_5 (set exactly for it; `models/hybrid.py`)"
+    )
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -125,6 +164,19 @@ class ModelConfig(Config):
             raise ConfigError("head_dim", f"value {self.resolved_head_dim} must be even for RoPE")
         if self.vocab_limit is not None and self.vocab_limit > self.vocab_size:
             raise ConfigError("vocab_limit", f"value {self.vocab_limit} must not exceed vocab_size={self.vocab_size}")
+        if (self.family == "qwen3_moe") != (self.moe is not None):
+            raise ConfigError("moe", f"must be set exactly when family is qwen3_moe (family {self.family!r})")
+        if self.moe is not None:
+            bad = [i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ConfigError("moe.mlp_only_layers", f"layers {bad} are outside 0..{self.num_layers - 1}")
+            mlp_targets = [t for t in self.lora.targets if t in ("gate", "up", "down")] if self.lora else []
+            if mlp_targets:
+                raise ConfigError(
+                    "lora.targets",
+                    f"value {list(mlp_targets)}: a mixture of experts takes adapters on attention only (q, k, v, o)",
+                )
+        check_hybrid(self)
         if self.lora is not None:
             check_rank(self.lora, self.projection_widths)
 
@@ -175,6 +227,11 @@ class ModelConfig(Config):
         on_cpu = (platform or jax.default_backend()) == "cpu"
         return not (on_cpu and self.num_layers <= UNROLL_MAX_LAYERS_CPU)
 
+    def for_platform(self, platform: str) -> ModelConfig:
+        """This config with every `auto` resolved for `platform`, the platform of the mesh a program is built
+        for (not JAX's default backend: an ahead-of-time compile for TPU runs on CPU)."""
+        return self.replace(compute_dtype=self.compute_dtype_on(platform), scan_layers=self.scans_layers(platform))
+
     @property
     def compute_jnp_dtype(self) -> jnp.dtype:
         return DTYPES[self.compute_dtype_on()]
@@ -184,24 +241,67 @@ class ModelConfig(Config):
         """The dtype an HF export writes: `export_dtype`, else `param_dtype`."""
         return self.export_dtype if self.export_dtype is not None else self.param_dtype
 
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its feed-forward is the mixture of experts (HF Qwen3-MoE's rule); all False when
+        dense."""
+        moe = self.moe
+        if moe is None:
+            return (False,) * self.num_layers
+        return tuple(
+            i not in moe.mlp_only_layers and (i + 1) % moe.decoder_sparse_step == 0 for i in range(self.num_layers)
+        )
+
+    def _feed_forward_params(self, active: bool) -> int:
+        """The weights of every layer's MLP or experts (with `active`, only the top-k experts a token uses)."""
+        d, f = self.hidden_size, self.intermediate_size
+        if self.moe is None:
+            return self.num_layers * 3 * d * f
+        experts = self.moe.experts_per_token if active else self.moe.num_experts
+        sparse = d * self.moe.num_experts + experts * 3 * d * self.moe.expert_intermediate_size  # router + experts
+        return sum(sparse if is_sparse else 3 * d * f for is_sparse in self.sparse_layers)
+
+    def _attention_params(self) -> int:
+        d, h, n, k = self.hidden_size, self.resolved_head_dim, self.num_heads, self.num_kv_heads
+        return d * n * h + 2 * d * k * h + n * h * d
+
     def num_params(self) -> int:
-        """Parameter count, embeddings included."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
-        n, k = self.num_heads, self.num_kv_heads
-        attn = d * n * h + 2 * d * k * h + n * h * d
+        """Parameter count, embeddings and every expert included (the checkpoint's)."""
+        if self.hybrid is not None:
+            return hybrid_num_params(self)
+        h, n, k = self.resolved_head_dim, self.num_heads, self.num_kv_heads
+        layer = self._attention_params() + 2 * self.hidden_size
         if self.qkv_bias:
-            attn += n * h + 2 * k * h
+            layer += n * h + 2 * k * h
         if self.qk_norm:
-            attn += 2 * h
-        layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * layer + d + head
+            layer += 2 * h
+        head = 0 if self.tie_word_embeddings else self.hidden_size * self.vocab_size
+        embeddings = self.vocab_size * self.hidden_size + self.hidden_size + head
+        return embeddings + self.num_layers * layer + self._feed_forward_params(active=False)
+
+    def num_active_params(self) -> int:
+        """Parameters one token's forward uses: `num_params` less the experts it is not routed to."""
+        return self.num_params() - self._feed_forward_params(active=False) + self._feed_forward_params(active=True)
+
+    def num_held_params(self) -> int:
+        """Parameters the decoder holds: `num_params`, plus, when sparse and dense layers mix, the zero experts of
+        the dense layers and the zero MLPs of the sparse ones (every stacked layer has both: `models/moe.py`)."""
+        moe, layers = self.moe, self.sparse_layers
+        if moe is None or all(layers):
+            return self.num_params()
+        d = self.hidden_size
+        sparse = d * moe.num_experts + moe.num_experts * 3 * d * moe.expert_intermediate_size
+        dense = 3 * d * self.intermediate_size
+        return self.num_params() + sum(dense if is_sparse else sparse for is_sparse in layers)
 
     def matmul_flops_per_token(self, context_length: int) -> int:
-        """Forward FLOPs per token: 2 per weight in matmuls plus causal attention over `context_length`."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.resolved_head_dim
-        n, k = self.num_heads, self.num_kv_heads
-        weights = self.num_layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f) + d * self.vocab_size
+        """Forward FLOPs per token: 2 per weight in matmuls (the routed experts only) plus causal attention over
+        `context_length`."""
+        if self.hybrid is not None:
+            return hybrid_matmul_flops_per_token(self, context_length)
+        h, n = self.resolved_head_dim, self.num_heads
+        weights = self.num_layers * self._attention_params() + self._feed_forward_params(active=True)
+        weights += self.hidden_size * self.vocab_size
         # QK^T and PV, 2 FLOPs per multiply-add each, over context_length / 2 keys on average (causal)
         attention = self.num_layers * 2 * n * h * context_length
         return 2 * weights + attention

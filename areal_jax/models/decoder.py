@@ -25,10 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.activation_sharding import constrain
 from areal_jax.models.attention import get_attention, paged_decode_attention, pages_per_block
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
 from areal_jax.models.lora import lora_rngs
+from areal_jax.models.moe import RouterOutput, routing_dtype, sparse_layer_ids
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
 _REMAT_POLICIES: dict[str, Any] = {
@@ -49,6 +51,10 @@ def mask_padded_vocab(logits_xV: jax.Array, usable_vocab: int) -> jax.Array:
     ids_xV = jax.lax.broadcasted_iota(jnp.int32, logits_xV.shape, logits_xV.ndim - 1)
     return jnp.where(ids_xV < usable_vocab, logits_xV, MASKED_LOGIT)
 
+
+# The leading axes of the row paths' activations: rows split over data x fsdp whenever a program traces under
+# `activations_on` (the trainer's), so its weights are gathered per layer, never its activations.
+ROW_AXES = ("batch", "length")
 
 # Logical axes of one cache segment. Keys are stored transposed ([B, K, H, S]) and values as [B, K, S, H],
 # so both decode attention dots read the cache in place, with no transpose.
@@ -143,7 +149,7 @@ class KVCache:
 
 
 class Decoder(nnx.Module):
-    """Qwen2 / Qwen3 / Llama-3 decoder-only language model."""
+    """Qwen2 / Qwen3 / Llama-3 / Qwen3-MoE decoder-only language model."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.config = cfg
@@ -205,16 +211,46 @@ class Decoder(nnx.Module):
         """Every layer over rows masked by segment ids and positions (packed or right-padded): the last
         layer's output [B, T, D] (not normed) and, with `keep_kv`, each layer's keys/values [Y, B, T, K, H].
         With `dropout_key`, LoRA dropout (`lora.dropout`) on the adapters' inputs, a key per layer."""
+        x_BxTxD, kv, _ = self._run_rows_routed(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv, dropout_key)
+        return x_BxTxD, kv
+
+    def _run_rows_routed(
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        keep_kv: bool,
+        dropout_key: jax.Array | None = None,
+        replay_BxTxYmxK: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, RouterOutput | None]:
+        """`_run_rows` and the sparse layers' routers (`RouterOutput`, fields [Ym, B, T, ...]; None when dense).
+        With `replay_BxTxYmxK` (expert ids per sparse layer) every sparse layer routes each token to them."""
         attend = get_attention(self.config.attention_impl)
         sin, cos = self._rope(positions_BxT)
+        sparse_ids = jnp.asarray(sparse_layer_ids(self.config), jnp.int32)
+        replay_YxBxTxK = None
+        if replay_BxTxYmxK is not None:
+            b, t, _, k = replay_BxTxYmxK.shape
+            replay_YxBxTxK = jnp.zeros((self.config.num_layers, b, t, k), jnp.int32)
+            replay_YxBxTxK = replay_YxBxTxK.at[sparse_ids].set(jnp.moveaxis(replay_BxTxYmxK, 2, 0).astype(jnp.int32))
 
         def body(x_BxTxD: jax.Array, layer: DecoderLayer, index: jax.Array):
             key = None if dropout_key is None else jax.random.fold_in(dropout_key, index)
             q, k, v = layer.attention_inputs(x_BxTxD, sin, cos, key)
-            out = attend(q, k, v, segment_ids=segment_ids_BxT, positions=positions_BxT)
-            return layer.finish(x_BxTxD, out, key), ((k, v) if keep_kv else None)
+            q = constrain(q, (*ROW_AXES, "heads", None))
+            k, v = (constrain(a, (*ROW_AXES, "kv_heads", None)) for a in (k, v))
+            out = constrain(
+                attend(q, k, v, segment_ids=segment_ids_BxT, positions=positions_BxT), (*ROW_AXES, "heads", None)
+            )
+            replay = None if replay_YxBxTxK is None else replay_YxBxTxK[index]
+            x_BxTxD, router = layer.finish_routed(x_BxTxD, out, key, index, replay)
+            x_BxTxD = constrain(x_BxTxD, (*ROW_AXES, None))
+            return x_BxTxD, (((k, v) if keep_kv else None), router)
 
-        return self._scan_layers(body, self._embed(tokens_BxT))
+        x_BxTxD, (kv, router) = self._scan_layers(body, constrain(self._embed(tokens_BxT), (*ROW_AXES, None)))
+        if router is not None:
+            router = RouterOutput(*(jnp.take(field, sparse_ids, axis=0) for field in router))
+        return x_BxTxD, kv, router
 
     # -- (a) packed forward -------------------------------------------------------------------
 
@@ -228,6 +264,20 @@ class Decoder(nnx.Module):
         """Final-normed hidden states [B, T, D] of packed rows (LoRA dropout with `dropout_key`)."""
         x_BxTxD, _ = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=False, dropout_key=dropout_key)
         return self.final_norm(x_BxTxD)
+
+    def routed_hidden_states(
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        dropout_key: jax.Array | None = None,
+        replay_BxTxYmxK: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouterOutput | None]:
+        """`hidden_states` and the sparse layers' routers ([Ym, B, T, ...]), routed by `replay_BxTxYmxK` if given."""
+        x_BxTxD, _, router = self._run_rows_routed(
+            tokens_BxT, segment_ids_BxT, positions_BxT, False, dropout_key, replay_BxTxYmxK
+        )
+        return self.final_norm(x_BxTxD), router
 
     def logits(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
         """Full fp32 logits [B, T, V]; for tests and short inputs (training uses `token_logprobs`)."""
@@ -252,6 +302,27 @@ class Decoder(nnx.Module):
             h_BxTxD, self.head_kernel(), targets_BxT, cfg.resolved_logprob_chunk, temperature, cfg.usable_vocab
         )
 
+    def token_logprobs_routed(
+        self,
+        tokens_BxT: jax.Array,
+        targets_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        temperature: float | jax.Array = 1.0,
+        dropout_key: jax.Array | None = None,
+        replay_BxTxYmxK: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, RouterOutput | None]:
+        """`token_logprobs` and the sparse layers' routers; with `replay_BxTxYmxK` each token goes through the
+        recorded experts of each sparse layer (routing replay), gated by the current router."""
+        h_BxTxD, router = self.routed_hidden_states(
+            tokens_BxT, segment_ids_BxT, positions_BxT, dropout_key, replay_BxTxYmxK
+        )
+        cfg = self.config
+        logp_BxT, entropy_BxT = chunked_logprobs(
+            h_BxTxD, self.head_kernel(), targets_BxT, cfg.resolved_logprob_chunk, temperature, cfg.usable_vocab
+        )
+        return logp_BxT, entropy_BxT, router
+
     # -- (b) prefill --------------------------------------------------------------------------
 
     def prefill(
@@ -266,17 +337,24 @@ class Decoder(nnx.Module):
     def prefill_entries(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """`prefill` with the keys and values as the layer scan makes them, [Y, B, T, K, H] each (what a
         paged cache is filled from)."""
+        return self.prefill_entries_routed(tokens_BxT, lengths_B)[:3]
+
+    def prefill_entries_routed(
+        self, tokens_BxT: jax.Array, lengths_B: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """`prefill_entries` and each position's experts [B, T, Ym, K] (`routing_dtype`; None when dense)."""
         b, t = tokens_BxT.shape
         positions_BxT = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
         segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
-        x_BxTxD, kv = self._run_rows(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=True)
+        x_BxTxD, kv, router = self._run_rows_routed(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv=True)
         assert kv is not None  # keep_kv
         k_YxBxTxKxH, v_YxBxTxKxH = kv
         last_BxD = jnp.take_along_axis(x_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(last_BxD), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), k_YxBxTxKxH, v_YxBxTxKxH
+        experts = None if router is None else jnp.moveaxis(router.experts, 0, 2).astype(routing_dtype(self.config))
+        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), k_YxBxTxKxH, v_YxBxTxKxH, experts
 
     # -- (c) decode ---------------------------------------------------------------------------
 
@@ -293,6 +371,17 @@ class Decoder(nnx.Module):
         attend_length: int | None = None,
         layer_states: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, KVCache]:
+        """See `decode_step_routed` (the same without the routing)."""
+        return self.decode_step_routed(tokens_B, positions_B, cache, attend_length, layer_states)[:2]
+
+    def decode_step_routed(
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        cache: KVCache,
+        attend_length: int | None = None,
+        layer_states: Sequence[nnx.State] | None = None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """Feed one token per slot at `positions_B`: write its keys/values into the cache at that position
         (in place when the cache is donated), then attend to the cache up to and including it. With
         `attend_length` (static, > every position) only the segments covering that prefix are read (and a
@@ -301,7 +390,8 @@ class Decoder(nnx.Module):
         The layers are unrolled (not scanned) so each layer's attention reads its own cache arrays in
         place: inside a scan, the layer's slice of a stacked cache is a copy. Likewise the weights:
         `layer_states` (from `layer_states()`) are read in place, while without them each layer's
-        weights are sliced (copied) out of the stacked ones on every call."""
+        weights are sliced (copied) out of the stacked ones on every call. Also returns each fed token's experts
+        [B, Ym, K] (`routing_dtype`; None when dense)."""
         attend = get_attention(self.config.attention_impl, decode=True)
         s = cache.length if attend_length is None else attend_length
         valid_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
@@ -317,7 +407,8 @@ class Decoder(nnx.Module):
         layer_states = self.layer_states() if layer_states is None else layer_states
         x_Bx1xD = self._embed(tokens_B[:, None])
         keys, values = [], []
-        for layer_state, k_cached, v_cached in zip(layer_states, cache.k, cache.v, strict=True):
+        routers: list[RouterOutput | None] = []
+        for y, (layer_state, k_cached, v_cached) in enumerate(zip(layer_states, cache.k, cache.v, strict=True)):
             layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
             k_BxKxH, v_BxKxH = k[:, 0].astype(k_cached[0].dtype), v[:, 0].astype(v_cached[0].dtype)
@@ -333,11 +424,21 @@ class Decoder(nnx.Module):
             keys.append(tuple(k_segments))
             values.append(tuple(v_segments))
             out = attend(q, read_k, read_v, valid_BxS=valid_BxS)
-            x_Bx1xD = layer.finish(x_Bx1xD, out)
+            x_Bx1xD, router = layer.finish_routed(x_Bx1xD, out, layer=y)
+            routers.append(router)
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), KVCache(k=tuple(keys), v=tuple(values))
+        logits_BxV = mask_padded_vocab(logits_BxV, self.config.usable_vocab)
+        return logits_BxV, KVCache(k=tuple(keys), v=tuple(values)), self._step_experts(routers)
+
+    def _step_experts(self, routers: list[RouterOutput | None]) -> jax.Array | None:
+        """The experts of a decode step's one token per slot, [B, Ym, K] in `routing_dtype` (None when dense)."""
+        picked = [routers[y] for y in sparse_layer_ids(self.config)]
+        if not picked:
+            return None
+        experts_BxYmxK = jnp.stack([router.experts[:, 0] for router in picked if router is not None], axis=1)
+        return experts_BxYmxK.astype(routing_dtype(self.config))
 
     def decode_step_paged(
         self,
@@ -349,10 +450,26 @@ class Decoder(nnx.Module):
         attend_pages: int,
         layer_states: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """See `decode_step_paged_routed` (the same without the routing)."""
+        return self.decode_step_paged_routed(
+            tokens_B, positions_B, k_pages, v_pages, page_table_BxM, attend_pages, layer_states
+        )[:3]
+
+    def decode_step_paged_routed(
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        k_pages: Sequence[jax.Array],
+        v_pages: Sequence[jax.Array],
+        page_table_BxM: jax.Array,
+        attend_pages: int,
+        layer_states: Sequence[nnx.State] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array | None]:
         """`decode_step` over a paged cache: each layer's pools k/v [K, P, page, H] and the page table
         [B, M] (entry P: no page). Each slot's new key/value is written at its position's page (dropped
         where the table has no page), then the slot attends to its first `attend_pages` pages (static;
-        covering every position), masked past its position. Returns fp32 logits [B, V] and the pools."""
+        covering every position), masked past its position. Returns fp32 logits [B, V], the pools and each fed
+        token's experts [B, Ym, K] (None when dense)."""
         p, page = k_pages[0].shape[1], k_pages[0].shape[2]
         column_B = jnp.minimum(positions_B // page, page_table_BxM.shape[1] - 1)
         write_page_B = jnp.take_along_axis(page_table_BxM, column_B[:, None], axis=1)[:, 0]
@@ -368,7 +485,8 @@ class Decoder(nnx.Module):
         layer_states = self.layer_states() if layer_states is None else layer_states
         x_Bx1xD = self._embed(tokens_B[:, None])
         keys, values = [], []
-        for layer_state, k_pool, v_pool in zip(layer_states, k_pages, v_pages, strict=True):
+        routers: list[RouterOutput | None] = []
+        for y, (layer_state, k_pool, v_pool) in enumerate(zip(layer_states, k_pages, v_pages, strict=True)):
             layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
             k_pool = k_pool.at[:, write_page_B, offset_B].set(k[:, 0].swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
@@ -376,11 +494,13 @@ class Decoder(nnx.Module):
             keys.append(k_pool)
             values.append(v_pool)
             out = paged_decode_attention(q, k_pool, v_pool, read_BxM, positions_B)
-            x_Bx1xD = layer.finish(x_Bx1xD, out)
+            x_Bx1xD, router = layer.finish_routed(x_Bx1xD, out, layer=y)
+            routers.append(router)
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
-        return mask_padded_vocab(logits_BxV, self.config.usable_vocab), tuple(keys), tuple(values)
+        logits_BxV = mask_padded_vocab(logits_BxV, self.config.usable_vocab)
+        return logits_BxV, tuple(keys), tuple(values), self._step_experts(routers)
 
 
 def chunked_logprobs(
@@ -394,32 +514,37 @@ def chunked_logprobs(
     """Log-prob of each target and the entropy of each position's distribution, [B, T] fp32, over the
     first `usable_vocab` ids (null: all).
 
-    The B x T positions are cut into chunks of `chunk` tokens (across rows: a chunk is `chunk` tokens
-    whatever the row count); each chunk's [C, V] logits are built, reduced and dropped (and rebuilt in the
-    backward pass), so memory is O(C * V), not O(B * T * V).
+    Each chunk is C consecutive positions of every row, about `chunk` tokens in all (C = chunk / B, at least
+    one); its [B, C, V] logits are built, reduced and dropped (and rebuilt in the backward pass), so memory is
+    O(chunk * V), not O(B * T * V). Chunks run along the length, never across rows: the rows stay split over
+    the batch's devices (a loop over a split axis would gather it).
     """
-    b, t, d = h_BxTxD.shape
+    b, t, _ = h_BxTxD.shape
     usable_vocab = kernel_DxV.shape[1] if usable_vocab is None else usable_vocab
-    m = b * t
-    chunk = min(chunk, m)
-    n_chunks = -(-m // chunk)
-    pad = n_chunks * chunk - m
-    h_MxD, targets_M = h_BxTxD.reshape(m, d), targets_BxT.reshape(m)
+    c = min(t, max(1, chunk // b))
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
     if pad:
-        h_MxD = jnp.pad(h_MxD, ((0, pad), (0, 0)))
-        targets_M = jnp.pad(targets_M, (0, pad))
+        h_BxTxD = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
+        targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
 
     @jax.checkpoint
     def one_chunk(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h_CxD, targets_C = args
-        logits_CxV = jnp.einsum("cd,dv->cv", h_CxD, kernel_DxV, preferred_element_type=jnp.float32)
-        logits_CxV = mask_padded_vocab(logits_CxV / temperature, usable_vocab)
-        lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
-        target_logit_C = jnp.take_along_axis(logits_CxV, targets_C[:, None], axis=-1)[:, 0]
-        probs_CxV = jax.nn.softmax(logits_CxV, axis=-1)
-        entropy_C = lse_C - jnp.sum(probs_CxV * logits_CxV, axis=-1)
-        return target_logit_C - lse_C, entropy_C
+        h_BxCxD, targets_BxC = constrain(args[0], (*ROW_AXES, None)), args[1]
+        logits_BxCxV = jnp.einsum("bcd,dv->bcv", h_BxCxD, kernel_DxV, preferred_element_type=jnp.float32)
+        logits_BxCxV = mask_padded_vocab(logits_BxCxV / temperature, usable_vocab)
+        lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+        target_logit_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
+        probs_BxCxV = jax.nn.softmax(logits_BxCxV, axis=-1)
+        entropy_BxC = lse_BxC - jnp.sum(probs_BxCxV * logits_BxCxV, axis=-1)
+        return target_logit_BxC - lse_BxC, entropy_BxC
 
-    chunks = (h_MxD.reshape(n_chunks, chunk, d), targets_M.reshape(n_chunks, chunk))
-    logp_JxC, entropy_JxC = jax.lax.map(one_chunk, chunks)
-    return logp_JxC.reshape(-1)[:m].reshape(b, t), entropy_JxC.reshape(-1)[:m].reshape(b, t)
+    def by_chunk(x_BxTx: jax.Array) -> jax.Array:  # [B, J*C, ...] -> [J, B, C, ...]
+        return jnp.swapaxes(x_BxTx.reshape(b, n_chunks, c, *x_BxTx.shape[2:]), 0, 1)
+
+    logp_JxBxC, entropy_JxBxC = jax.lax.map(one_chunk, (by_chunk(h_BxTxD), by_chunk(targets_BxT)))
+
+    def by_row(x_JxBxC: jax.Array) -> jax.Array:
+        return jnp.swapaxes(x_JxBxC, 0, 1).reshape(b, n_chunks * c)[:, :t]
+
+    return by_row(logp_JxBxC), by_row(entropy_JxBxC)

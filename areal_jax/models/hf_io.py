@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,11 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from areal_jax.models.config import CHECKPOINT_DTYPES, ModelConfig, RopeScalingConfig
+from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_config import CheckpointError, checkpoint_dtype, model_config_from_hf, model_config_to_hf
+from areal_jax.models.hybrid import new_decoder
+from areal_jax.models.hybrid_io import hybrid_tensor_table, text_model_view
 from areal_jax.models.init import fresh_adapters
 from areal_jax.models.lora import adapter_free
 from areal_jax.progress import Progress
@@ -36,8 +39,6 @@ from areal_jax.sharding import state_shardings
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-_FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()}
 _NUMPY_DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -45,112 +46,6 @@ _NUMPY_DTYPES = {
 }
 # Tensors some checkpoints carry that the model derives or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """An HF checkpoint that cannot be loaded as-is (unsupported option, missing or mis-shaped tensor)."""
-
-
-# -- config.json <-> ModelConfig ----------------------------------------------------------------
-
-
-def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
-    """The dtype an HF `config.json` says its weights are stored in (float32 when it says none)."""
-    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
-    if dtype not in CHECKPOINT_DTYPES:
-        raise CheckpointError(f"config.json dtype {dtype!r} is not supported; supported: {list(CHECKPOINT_DTYPES)}")
-    return dtype
-
-
-def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """ModelConfig from the dict of an HF `config.json`; `overrides` set our own fields (dtypes, remat). The
-    weights load into float32 unless `param_dtype` is overridden, whatever the checkpoint stores; exports
-    are written in the checkpoint's own dtype unless `export_dtype` is overridden."""
-    archs = hf.get("architectures") or []
-    family = _FAMILY_BY_ARCH.get(archs[0]) if archs else hf.get("model_type")
-    if family not in ARCHITECTURES:
-        raise CheckpointError(
-            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(ARCHITECTURES.values())}"
-        )
-    if hf.get("use_sliding_window"):
-        raise CheckpointError("use_sliding_window=true is not supported (sliding-window attention)")
-    if hf.get("mlp_bias"):
-        raise CheckpointError("mlp_bias=true is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act={hf.get('hidden_act')!r} is not supported (only 'silu')")
-    rope = dict(hf.get("rope_parameters") or {})
-    legacy_scaling = hf.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling_dict = rope if rope.get("rope_type", "default") != "default" else dict(legacy_scaling)
-    rope_type = scaling_dict.get("rope_type", scaling_dict.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise CheckpointError(f"rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'")
-    rope_scaling = None
-    if rope_type == "llama3":
-        rope_scaling = RopeScalingConfig(
-            factor=float(scaling_dict["factor"]),
-            low_freq_factor=float(scaling_dict["low_freq_factor"]),
-            high_freq_factor=float(scaling_dict["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling_dict["original_max_position_embeddings"]),
-        )
-    fields: dict[str, Any] = {
-        "family": family,
-        "vocab_size": hf["vocab_size"],
-        "hidden_size": hf["hidden_size"],
-        "intermediate_size": hf["intermediate_size"],
-        "num_layers": hf["num_hidden_layers"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        "head_dim": hf.get("head_dim"),
-        "rope_theta": float(rope_theta),
-        "rope_scaling": rope_scaling,
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "qkv_bias": True if family == "qwen2" else bool(hf.get("attention_bias", False)),
-        "qk_norm": family == "qwen3",
-        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
-        "export_dtype": checkpoint_dtype(hf),
-        "initializer_range": float(hf.get("initializer_range", 0.02)),
-    }
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
-def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF `config.json` dict describing `cfg`."""
-    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    legacy_scaling = None
-    if cfg.rope_scaling is not None:
-        legacy_scaling = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
-        rope.update(legacy_scaling)
-    hf: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[cfg.family]],
-        "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": legacy_scaling,
-        "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "initializer_range": cfg.initializer_range,
-        "dtype": cfg.resolved_export_dtype,
-        "use_cache": True,
-    }
-    if cfg.family == "llama":
-        hf.update(attention_bias=cfg.qkv_bias, mlp_bias=False)
-    elif cfg.family == "qwen3":
-        hf.update(attention_bias=cfg.qkv_bias)
-    else:
-        hf.update(use_sliding_window=False, sliding_window=None)
-    return hf
 
 
 # -- parameter name and layout mapping ----------------------------------------------------------
@@ -166,6 +61,24 @@ class TensorMapping:
     to_ours: Callable[[list[np.ndarray]], np.ndarray]
     to_hf: Callable[[np.ndarray], list[np.ndarray]]
     per_layer: bool
+    # the layers HF stores it in (None: every layer); ours holds zeros in the others (dense and sparse layers mixed)
+    layers: tuple[int, ...] | None = None
+    # ours stacks only `layers`, entry e holding layer layers[e] (a `HybridDecoder`'s stack of one layer kind)
+    compact: bool = False
+
+    def stored_layers(self, num_layers: int) -> Sequence[int | None]:
+        """The layer of each stored copy: [None] when not per layer."""
+        if not self.per_layer:
+            return [None]
+        return range(num_layers) if self.layers is None else self.layers
+
+    def entry(self, layer: int) -> int:
+        """Our stack's entry holding HF layer `layer`."""
+        return self.layers.index(layer) if self.compact and self.layers is not None else layer
+
+    def layer_of(self, entry: int) -> int:
+        """The HF layer our stack's entry `entry` holds."""
+        return self.layers[entry] if self.compact and self.layers is not None else entry
 
 
 def _one(to_ours: Callable[[np.ndarray], np.ndarray], to_hf: Callable[[np.ndarray], np.ndarray]) -> tuple:
@@ -175,6 +88,11 @@ def _one(to_ours: Callable[[np.ndarray], np.ndarray], to_hf: Callable[[np.ndarra
 
 def tensor_mappings(cfg: ModelConfig) -> dict[PathParts, TensorMapping]:
     """Our state path -> HF tensors, for every parameter of `cfg`'s decoder."""
+    if cfg.hybrid is not None:
+        return {
+            path: TensorMapping(names, fns[0], fns[1], per_layer, layers, compact=True)
+            for path, (names, fns, per_layer, layers) in hybrid_tensor_table(cfg).items()
+        }
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     g = n // k
     layer = "model.layers.{i}."
@@ -216,7 +134,50 @@ def tensor_mappings(cfg: ModelConfig) -> dict[PathParts, TensorMapping]:
         table[("layers", "qkv", "k_norm", "weight")] = ((attn + "k_norm.weight",), identity, True)
     if not cfg.tie_word_embeddings:
         table[("lm_head",)] = (("lm_head.weight",), transpose, False)
-    return {path: TensorMapping(names, fns[0], fns[1], per_layer) for path, (names, fns, per_layer) in table.items()}
+    layers_of: dict[PathParts, tuple[int, ...] | None] = {}
+    if cfg.moe is not None:
+        table.update(_expert_tables(cfg.moe.num_experts, layer + "mlp."))
+        sparse = cfg.sparse_layers
+        dense_layers = tuple(i for i, is_sparse in enumerate(sparse) if not is_sparse)
+        sparse_layers = tuple(i for i, is_sparse in enumerate(sparse) if is_sparse)
+        for path in list(table):
+            if path[:2] == ("layers", "mlp"):
+                if dense_layers:
+                    layers_of[path] = dense_layers if sparse_layers else None
+                else:
+                    del table[path]
+            elif path[:2] == ("layers", "moe"):
+                if sparse_layers:
+                    layers_of[path] = sparse_layers if dense_layers else None
+                else:
+                    del table[path]
+    return {
+        path: TensorMapping(names, fns[0], fns[1], per_layer, layers_of.get(path))
+        for path, (names, fns, per_layer) in table.items()
+    }
+
+
+def _expert_tables(num_experts: int, mlp: str) -> dict[tuple[str, ...], tuple[tuple[str, ...], tuple, bool]]:
+    """The router ([E, D] in HF, [D, E] ours) and the experts, one HF tensor per expert ([F, D] gate and up,
+    [D, F] down), stacked on our leading `expert` axis."""
+    experts = range(num_experts)
+    gate_up_names = tuple(
+        mlp + f"experts.{e}.{proj}_proj.weight" for e in experts for proj in ("gate", "up")
+    )  # gate_0, up_0, gate_1, ...
+
+    def gate_up(ws: list[np.ndarray]) -> np.ndarray:  # [F, D] x 2E -> [E, D, 2, F]
+        return np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(ws[0::2], ws[1::2], strict=True)])
+
+    def gate_up_to_hf(w: np.ndarray) -> list[np.ndarray]:
+        return [w[e, :, c].T for e in experts for c in (0, 1)]
+
+    down_names = tuple(mlp + f"experts.{e}.down_proj.weight" for e in experts)
+    down = (lambda ws: np.stack([w.T for w in ws]), lambda w: [w[e].T for e in experts])  # [D, F] x E <-> [E, F, D]
+    return {
+        ("layers", "moe", "router"): ((mlp + "gate.weight",), _one(lambda w: w.T, lambda w: w.T), True),
+        ("layers", "moe", "gate_up"): (gate_up_names, (gate_up, gate_up_to_hf), True),
+        ("layers", "moe", "down"): (down_names, down, True),
+    }
 
 
 def _hf_names(mapping: TensorMapping, layer: int | None) -> list[str]:
@@ -228,7 +189,8 @@ def _hf_names(mapping: TensorMapping, layer: int | None) -> list[str]:
 
 
 class _SafetensorsReader:
-    """Name -> tensor access over `model.safetensors` or a sharded index, files opened once."""
+    """Name -> tensor access over `model.safetensors` or a sharded index, files opened once; a multimodal
+    checkpoint's language model under the names of a text-only one (`hybrid_io.text_model_view`)."""
 
     def __init__(self, directory: Path, stack: ExitStack):
         index = directory / "model.safetensors.index.json"
@@ -242,6 +204,9 @@ class _SafetensorsReader:
                 self.file_of = dict.fromkeys(handle.keys(), single)
         else:
             raise CheckpointError(f"{directory}: neither model.safetensors nor model.safetensors.index.json found")
+        view = text_model_view(self.file_of)
+        self.file_of = {name: file for name, (_, file) in view.items()}
+        self._stored_name = {name: stored for name, (stored, _) in view.items()}
         self._handles: dict[Path, Any] = {}
         self._stack = stack
 
@@ -257,10 +222,10 @@ class _SafetensorsReader:
         return self._handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(self._stored_name[name]).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        return self._handle(name).get_tensor(name)
+        return self._handle(name).get_tensor(self._stored_name[name])
 
 
 def _expected_hf_shapes(mapping: TensorMapping, our_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -277,7 +242,7 @@ def _check_tensors(
     expected_names: set[str] = set()
     for path, mapping in mappings.items():
         wants = _expected_hf_shapes(mapping, shapes[path])
-        for layer in range(cfg.num_layers) if mapping.per_layer else [None]:
+        for layer in mapping.stored_layers(cfg.num_layers):
             for name, want in zip(_hf_names(mapping, layer), wants, strict=True):
                 expected_names.add(name)
                 if name not in reader.file_of:
@@ -303,11 +268,14 @@ def _array_from_file(
     def layer_tensor(i: int | None) -> np.ndarray:
         return mapping.to_ours([reader.read(name) for name in _hf_names(mapping, i)]).astype(dtype, copy=False)
 
+    stored = set(mapping.stored_layers(num_layers))
+
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         if not mapping.per_layer:
             return np.ascontiguousarray(layer_tensor(None)[index])
-        layers = range(*index[0].indices(num_layers))
-        return np.stack([layer_tensor(i)[index[1:]] for i in layers], axis=0)
+        layers = [mapping.layer_of(e) for e in range(*index[0].indices(shape[0]))]
+        zeros = np.zeros(shape[1:], dtype)  # a layer HF does not store this in (dense and sparse layers mixed)
+        return np.stack([(layer_tensor(i) if i in stored else zeros)[index[1:]] for i in layers], axis=0)
 
     # jax annotates the callback's index `Index | None` but asserts it is not None before calling back
     return jax.make_array_from_callback(shape, sharding, shard)  # type: ignore[arg-type]
@@ -316,7 +284,7 @@ def _array_from_file(
 def load_hf_checkpoint(
     directory: str | Path, mesh: Mesh | None = None, config: ModelConfig | None = None, **config_overrides: Any
 ) -> tuple[ModelConfig, Decoder]:
-    """Load an HF Qwen2/Qwen3/Llama directory into a `Decoder`, each tensor read in its stored dtype and
+    """Load an HF Qwen2/Qwen3/Llama/Qwen3-MoE directory into a `Decoder`, each tensor read in its stored dtype and
     placed in `param_dtype` on its sharding under `mesh` (or on the default device). The model's config is
     `config` when given (made from this checkpoint's config.json), else config.json with `config_overrides`
     setting ModelConfig fields."""
@@ -326,7 +294,7 @@ def load_hf_checkpoint(
         raise CheckpointError(f"{config_file} not found")
     hf = json.loads(config_file.read_text())
     cfg = config or model_config_from_hf(hf, **config_overrides)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: new_decoder(cfg, nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
     if mesh is not None:
         shardings = state_shardings(abstract_state, mesh)
@@ -387,8 +355,8 @@ def iter_hf_tensors(cfg: ModelConfig, model: Decoder) -> Iterator[tuple[str, np.
     dtype = _NUMPY_DTYPES[cfg.resolved_export_dtype]
     for path, mapping in tensor_mappings(cfg).items():
         value = _to_host(flat_state[path].get_value()).astype(dtype, copy=False)
-        for layer in range(cfg.num_layers) if mapping.per_layer else [None]:
-            parts = mapping.to_hf(value if layer is None else value[layer])
+        for layer in mapping.stored_layers(cfg.num_layers):
+            parts = mapping.to_hf(value if layer is None else value[mapping.entry(layer)])
             for name, part in zip(_hf_names(mapping, layer), parts, strict=True):
                 yield name, np.ascontiguousarray(part)
 

@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.lora import adapter_state
 from areal_jax.sharding import state_shardings
 
@@ -15,10 +16,10 @@ from areal_jax.sharding import state_shardings
 def create_decoder(cfg: ModelConfig, seed: int, mesh: Mesh | None = None) -> Decoder:
     """A randomly initialised decoder; under `mesh`, each parameter is born sharded by the logical rules."""
     if mesh is None:
-        return Decoder(cfg, nnx.Rngs(seed))
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed))))
+        return new_decoder(cfg, nnx.Rngs(seed))
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: new_decoder(cfg, nnx.Rngs(seed))))
     shardings = state_shardings(abstract_state, mesh)
-    state = jax.jit(lambda: nnx.state(Decoder(cfg, nnx.Rngs(seed))), out_shardings=shardings)()
+    state = jax.jit(lambda: nnx.state(new_decoder(cfg, nnx.Rngs(seed))), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 
 

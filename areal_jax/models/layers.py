@@ -12,6 +12,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import adapter
+from areal_jax.models.moe import MoEBlock, RouterOutput
 from areal_jax.models.rope import apply_rope
 
 
@@ -151,7 +152,11 @@ class SwiGLU(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm transformer block. Split in two halves around attention so callers choose the kernel
-    and where keys/values come from (fresh, or a KV cache)."""
+    and where keys/values come from (fresh, or a KV cache).
+
+    The feed-forward is a SwiGLU `mlp`, or with `model.moe` the experts `moe`; when dense and sparse layers mix,
+    every stacked layer holds both (the unused one zero in a loaded checkpoint) and runs its own by layer index.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, lora_rngs: nnx.Rngs | None = None):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg)
@@ -164,7 +169,9 @@ class DecoderLayer(nnx.Module):
             cfg.initializer_range,
         )
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg)
-        self.mlp = SwiGLU(cfg, rngs, lora_rngs)
+        self.sparse_layers = cfg.sparse_layers
+        self.mlp = None if all(self.sparse_layers) else SwiGLU(cfg, rngs, lora_rngs)
+        self.moe = MoEBlock(cfg, rngs) if any(self.sparse_layers) else None
         self.lora_o = adapter(cfg, "o", lora_rngs)
         self.compute_dtype = cfg.compute_jnp_dtype
 
@@ -175,10 +182,63 @@ class DecoderLayer(nnx.Module):
         layer's key of LoRA dropout (the update's forward only)."""
         return self.qkv(self.input_norm(x_BxTxD), sin_BxTxH, cos_BxTxH, dropout_key)
 
-    def finish(
-        self, x_BxTxD: jax.Array, attention_BxTxNxH: jax.Array, dropout_key: jax.Array | None = None
+    def feed_forward(
+        self, x_BxTxD: jax.Array, layer: int | jax.Array | None = None, dropout_key: jax.Array | None = None
     ) -> jax.Array:
-        """Output projection, residual, then the MLP half of the block."""
+        """The MLP or the experts of layer `layer` (needed only when dense and sparse layers mix; traced in a
+        layer scan, where it selects the branch at run time)."""
+        return self.feed_forward_routed(x_BxTxD, layer, dropout_key)[0]
+
+    def feed_forward_routed(
+        self,
+        x_BxTxD: jax.Array,
+        layer: int | jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
+        replay_BxTxK: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouterOutput | None]:
+        """`feed_forward` and what the router did (None in a dense decoder; zeros in a dense layer of a mixed
+        one); with `replay_BxTxK` a sparse layer routes each token to those experts (`MoEBlock.routed`)."""
+        mlp, moe = self.mlp, self.moe
+        if moe is None:
+            assert mlp is not None  # a layer has one or both
+            return mlp(x_BxTxD, dropout_key), None
+        if mlp is None:
+            return moe.routed(x_BxTxD, replay_BxTxK)
+        if layer is None:
+            raise ValueError("a decoder mixing dense and sparse layers needs the layer index")
+
+        def dense(x: jax.Array) -> tuple[jax.Array, RouterOutput]:
+            b, t, _ = x.shape
+            e, k = moe.moe.num_experts, moe.moe.experts_per_token
+            none_BxTxK = jnp.zeros((b, t, k), jnp.int32)
+            none = RouterOutput(jnp.zeros((b, t, e), jnp.float32), none_BxTxK, none_BxTxK)
+            return mlp(x, dropout_key), none
+
+        if isinstance(layer, int):
+            return moe.routed(x_BxTxD, replay_BxTxK) if self.sparse_layers[layer] else dense(x_BxTxD)
+        sparse = jnp.asarray(self.sparse_layers)[layer]
+        return jax.lax.cond(sparse, lambda x: moe.routed(x, replay_BxTxK), dense, x_BxTxD)
+
+    def finish(
+        self,
+        x_BxTxD: jax.Array,
+        attention_BxTxNxH: jax.Array,
+        dropout_key: jax.Array | None = None,
+        layer: int | jax.Array | None = None,
+    ) -> jax.Array:
+        """Output projection, residual, then the feed-forward half of the block (of layer `layer`: see
+        `feed_forward`)."""
+        return self.finish_routed(x_BxTxD, attention_BxTxNxH, dropout_key, layer)[0]
+
+    def finish_routed(
+        self,
+        x_BxTxD: jax.Array,
+        attention_BxTxNxH: jax.Array,
+        dropout_key: jax.Array | None = None,
+        layer: int | jax.Array | None = None,
+        replay_BxTxK: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouterOutput | None]:
+        """`finish` and the router's output (`feed_forward_routed`)."""
         b, t, n, h = attention_BxTxNxH.shape
         # One [T, N*H] x [N*H, D] matmul over row-major reshapes (bitcasts); a two-axis contraction made
         # XLA transpose the kernel on every call.
@@ -186,4 +246,7 @@ class DecoderLayer(nnx.Module):
         h_BxTxD = x_BxTxD + attention_BxTxNxH.reshape(b, t, n * h) @ o_QxD
         if self.lora_o is not None:
             h_BxTxD = h_BxTxD + self.lora_o(attention_BxTxNxH, dropout_key)
-        return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD), dropout_key)
+        out_BxTxD, router = self.feed_forward_routed(
+            self.post_attention_norm(h_BxTxD), layer, dropout_key, replay_BxTxK
+        )
+        return h_BxTxD + out_BxTxD, router

@@ -24,7 +24,8 @@ from safetensors.numpy import save_file
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import _NUMPY_DTYPES, CheckpointError, _to_host
+from areal_jax.models.hf_config import CheckpointError
+from areal_jax.models.hf_io import _NUMPY_DTYPES, _to_host
 from areal_jax.models.lora import ADAPTER_PATHS, adapter_free, adapter_state, target_layout
 from areal_jax.models.lora_config import TARGETS, LoRAConfig
 from areal_jax.sharding import state_shardings

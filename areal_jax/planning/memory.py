@@ -1,12 +1,12 @@
 """The memory plan of a run, from its config alone (nothing compiled): what each device of each mesh holds.
 
-Trainer devices: params, Adam moments and gradients (sharded over fsdp x tensor; with `model.lora` the moments
-and gradients of the adapters alone), the largest micro-batch's
-activations under the chosen remat, the log-prob chunks' logits, the update's temporaries. Inference devices:
-the engine's weights (in their serving dtype) and per-layer copies, the KV cache (dense or paged), the prefill
-and decode temporaries. Each line names the config keys that change it; `check` refuses a run that cannot fit,
-naming the keys of its largest lines. On CPU every "device" is host memory, so the plan adds both sides and
-the process's own runtime and compares them with the host's RAM.
+Trainer devices: params (a mixture's experts and routers included), Adam moments and gradients (sharded over
+fsdp x tensor; with `model.lora` the moments and gradients of the adapters alone), the largest micro-batch's
+activations under the chosen remat (a mixture's dispatch buffers included), the log-prob chunks' logits, the
+update's temporaries. Inference devices: the engine's weights (in their serving dtype) and per-layer copies, the
+KV cache (dense or paged), the prefill and decode temporaries. Each line names the config keys that change it;
+`check` refuses a run that cannot fit, naming the keys of its largest lines. On CPU every "device" is host
+memory, so the plan adds both sides and the process's own runtime and compares them with the host's RAM.
 
 The activation and temporary terms are estimates (XLA decides the real buffers); `benchmarks/scale.py` and
 `tests/test_memory_plan.py` hold the plan against measured peaks.
@@ -136,10 +136,17 @@ def _shards(mesh_shape: dict[str, int], *axes: str) -> int:
     return math.prod(mesh_shape.get(axis, 1) for axis in axes)
 
 
+def _weight_shards(model: ModelConfig, mesh_shape: dict[str, int]) -> int:
+    """Devices a weight is split over: fsdp splits the model width and tensor the MLP width, each only where it
+    divides them (`sharding.logical_to_spec` replicates a weight along an axis that does not: 896 over 3)."""
+    fsdp, tensor = mesh_shape.get("fsdp", 1), mesh_shape.get("tensor", 1)
+    return (fsdp if model.hidden_size % fsdp == 0 else 1) * (tensor if model.intermediate_size % tensor == 0 else 1)
+
+
 def _layer_params(model: ModelConfig) -> int:
-    return (model.num_params() - model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)) // max(
-        1, model.num_layers
-    )
+    return (
+        model.num_held_params() - model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    ) // max(1, model.num_layers)
 
 
 def _layer_activations(model: ModelConfig, tokens: int, row_length: int, rows: int, dtype_bytes: int) -> int:
@@ -147,7 +154,14 @@ def _layer_activations(model: ModelConfig, tokens: int, row_length: int, rows: i
     cotangents): projections, MLP hidden, and the attention scores of the query blocks."""
     d, f, h = model.hidden_size, model.intermediate_size, model.resolved_head_dim
     n, k = model.num_heads, model.num_kv_heads
-    per_token = (n + 2 * k) * h + n * h + 4 * d + 3 * f
+    feed_forward = 3 * f
+    if model.moe is not None and any(model.sparse_layers):
+        moe = model.moe
+        # the router's logits, then every (token, pick) row the dispatch makes: its gathered input, gate/up,
+        # hidden and output (`models/moe.py`); a layer holds the larger of this and a dense MLP's
+        dispatch = moe.num_experts + moe.experts_per_token * (2 * d + 3 * moe.expert_intermediate_size)
+        feed_forward = dispatch if all(model.sparse_layers) else max(feed_forward, dispatch)
+    per_token = (n + 2 * k) * h + n * h + 4 * d + feed_forward
     block = min(ROW_BLOCK, row_length)
     scores = rows * n * block * row_length * 4 * 2  # fp32 scores and probabilities of a query block
     return 2 * tokens * per_token * dtype_bytes + scores
@@ -157,11 +171,11 @@ def trainer_items(
     cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
 ) -> list[MemoryItem]:
     """Per trainer device: the state, the largest micro-batch's activations, logits, temporaries."""
-    param_shards = _shards(mesh_shape, "fsdp", "tensor")
-    params = (model.num_params() + model.num_lora_params()) * _bytes(model.param_dtype) // param_shards
+    param_shards = _weight_shards(model, mesh_shape)
+    params = (model.num_held_params() + model.num_lora_params()) * _bytes(model.param_dtype) // param_shards
     # what the optimizer updates: every parameter, or with model.lora the adapters alone (the base has no moments
     # and no gradient)
-    trained = (model.num_lora_params() or model.num_params()) * _bytes(model.param_dtype) // param_shards
+    trained = (model.num_lora_params() or model.num_held_params()) * _bytes(model.param_dtype) // param_shards
     packing = cfg.packing_on(platform)
     batch_shards = _shards(mesh_shape, "data", "fsdp")
     rows = max(1, packing.rows // batch_shards)
@@ -176,7 +190,9 @@ def trainer_items(
         activations = model.num_layers * (saved + layer // 3) + layer
     else:
         activations = model.num_layers * layer
-    logits = model.resolved_logprob_chunk * model.vocab_size * 4 * 4  # logits, probabilities and cotangents
+    # a chunk is `logprob_chunk` / packing.rows positions of every row (`chunked_logprobs`): this device's rows'
+    chunk = rows * min(packing.row_length, max(1, model.resolved_logprob_chunk // packing.rows))
+    logits = chunk * model.vocab_size * 4 * 4  # logits, probabilities and cotangents
     state_keys = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
     trained_keys = (*state_keys, "model.lora")
     of = " of the adapters" if model.lora is not None else ""
@@ -198,7 +214,7 @@ def trainer_items(
             activations,
             ("trainer.packing.token_budget", "model.remat", "trainer.packing.rows"),
         ),
-        MemoryItem(f"log-prob chunk logits ({model.resolved_logprob_chunk} tokens)", logits, ("model.logprob_chunk",)),
+        MemoryItem(f"log-prob chunk logits ({chunk} tokens)", logits, ("model.logprob_chunk",)),
     ]
 
 
@@ -209,8 +225,8 @@ def inference_items(
     compute = model.compute_dtype_on(platform)
     served = min(_bytes(model.param_dtype), _bytes(compute))
     c = _bytes(compute)
-    weight_shards = _shards(mesh_shape, "fsdp", "tensor")
-    weights = model.num_params() * served // weight_shards
+    weight_shards = _weight_shards(model, mesh_shape)
+    weights = model.num_held_params() * served // weight_shards
     k, h, y = model.num_kv_heads, model.resolved_head_dim, model.num_layers
     head_shards = mesh_shape.get("tensor", 1) if k % mesh_shape.get("tensor", 1) == 0 else 1
     if engine.paged:
@@ -249,7 +265,7 @@ def inference_items(
     ]
     if platform == "cpu" and c < 4:
         # XLA:CPU converts bf16 matmul operands to f32, the scanned layers' weights once per call
-        converted = model.num_params() * 4 // weight_shards
+        converted = model.num_held_params() * 4 // weight_shards
         items.append(MemoryItem("f32 copies of bf16 weights (XLA:CPU)", converted, ("model.compute_dtype",)))
     return items
 
@@ -267,21 +283,39 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan of a run whose policy is `model` (the checkpoint's architecture with the run's choices) on
     these meshes; `inference_mesh` None: the rollout side is not in this process."""
-    platform = trainer_mesh.devices.flat[0].platform
+    shared = inference_mesh is not None and set(inference_mesh.devices.flat) == set(trainer_mesh.devices.flat)
+    return plan_for_shapes(
+        cfg,
+        model,
+        trainer_mesh.devices.flat[0].platform,
+        dict(trainer_mesh.shape),
+        None if inference_mesh is None else dict(inference_mesh.shape),
+        shared,
+    )
+
+
+def plan_for_shapes(
+    cfg: ExperimentConfig,
+    model: ModelConfig,
+    platform: str,
+    trainer_shape: dict[str, int],
+    inference_shape: dict[str, int] | None,
+    shared: bool = False,
+) -> MemoryPlan:
+    """`plan_memory` for meshes of these shapes on devices of `platform` (devices this machine need not have);
+    `shared`: both sides on the same device(s)."""
     sides = [
         SidePlan(
             "trainer",
-            trainer_mesh.devices.size,
-            dict(trainer_mesh.shape),
-            _with_overhead(trainer_items(cfg, model, dict(trainer_mesh.shape), platform)),
+            math.prod(trainer_shape.values()),
+            trainer_shape,
+            _with_overhead(trainer_items(cfg, model, trainer_shape, platform)),
         )
     ]
-    shared = False
-    if inference_mesh is not None:
-        shared = set(inference_mesh.devices.flat) == set(trainer_mesh.devices.flat)  # one device, both sides
-        inference = inference_items(cfg.rollout.engine, model, dict(inference_mesh.shape), platform)
+    if inference_shape is not None:
+        inference = inference_items(cfg.rollout.engine, model, inference_shape, platform)
         sides.append(
-            SidePlan("inference", inference_mesh.devices.size, dict(inference_mesh.shape), _with_overhead(inference))
+            SidePlan("inference", math.prod(inference_shape.values()), inference_shape, _with_overhead(inference))
         )
     host = platform == "cpu"
     return MemoryPlan(tuple(sides), host, shared, CPU_RUNTIME_BYTES if host else 0)

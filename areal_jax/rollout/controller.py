@@ -26,7 +26,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
 from areal_jax.rollout.dynamic_sampling import DynamicSampler, DynamicSamplingConfig, marked_untrained
 from areal_jax.rollout.failures import FailureBudget, FailureBudgetConfig, RolloutFailure
-from areal_jax.rollout.staleness import StalenessManager
+from areal_jax.rollout.staleness import Admission, StalenessManager
 from areal_jax.rollout.workflow import RolloutWorkflow
 
 logger = logging.getLogger(__name__)
@@ -100,18 +100,18 @@ class RolloutController:
         running: set[asyncio.Task] = set()
         try:
             while not self._stopping.is_set():
-                admitted = await asyncio.to_thread(self.staleness.wait_for_capacity)  # stop() and a failure close() it
-                if not admitted:
+                admission = await asyncio.to_thread(self.staleness.wait_for_capacity)  # stop(), a failure close() it
+                if admission is None:
                     continue
                 item = next(self.tasks, None)
                 if item is None:
-                    self.staleness.finish(accepted=False)
+                    self.staleness.finish(admission, accepted=False)
                     logger.info("task source exhausted; waiting for %d running groups", len(running))
                     break
                 group_id, task = item
                 self._next_group_id = max(self._next_group_id, group_id + 1)
                 self.stats.started += 1
-                job = asyncio.create_task(self._one(task, group_id))
+                job = asyncio.create_task(self._one(task, group_id, admission))
                 running.add(job)
                 job.add_done_callback(running.discard)
             if not self._stopping.is_set():
@@ -124,7 +124,7 @@ class RolloutController:
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
 
-    async def _one(self, task: Any, group_id: int) -> None:
+    async def _one(self, task: Any, group_id: int, admission: Admission) -> None:
         handed_on = dropped = False
         try:
             trajectories = await self.workflow.run(self.generator, task, group_id)
@@ -150,7 +150,7 @@ class RolloutController:
                 self.stats.accepted += not dropped
                 self.stats.trajectories += len(trajectories)
             # a dropped group counts as rejected: the trainer never consumes it, so its place admits another
-            self.staleness.finish(accepted=handed_on and not dropped)
+            self.staleness.finish(admission, accepted=handed_on and not dropped)
         if handed_on and dropped and (stop := self._sampler.exhausted()) is not None:
             self._stop_with(stop)
 

@@ -101,6 +101,8 @@ class _Tokens:
     versions: list[np.ndarray] = dataclasses.field(default_factory=list)
     model: list[np.ndarray] = dataclasses.field(default_factory=list)
     length: int = 0
+    routing: list[np.ndarray] | None = dataclasses.field(default_factory=list)  # None once a turn has none
+    routed: int = 0  # tokens `routing` covers
 
     def add_context(self, ids: Sequence[int]) -> None:
         """Prompt or environment tokens: not sampled by the policy."""
@@ -110,6 +112,14 @@ class _Tokens:
     def add_model(self, result: GenerationResult) -> None:
         logprobs = np.asarray(result.output_logprobs, np.float32)
         versions = np.asarray(result.output_versions, np.int32)
+        # the turn's routing covers its prompt (every token so far) and its output: keep the new part, so earlier
+        # outputs keep the routing of the weights that sampled them
+        end = self.length + len(result.output_ids)
+        if self.routing is not None and result.routing is not None and len(result.routing) == end:
+            self.routing.append(result.routing[self.routed :])
+            self.routed = end
+        else:
+            self.routing = None
         self._add(np.asarray(result.output_ids, np.int32), logprobs, versions, True)
 
     def _add(self, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray, model: bool) -> None:
@@ -124,11 +134,13 @@ class _Tokens:
 
     def trajectory(self, train: bool, **fields: Any) -> Trajectory:
         mask = np.concatenate(self.model) if train else np.zeros(self.length, np.bool_)
+        routed = self.routing and self.routed == self.length
         return Trajectory(
             token_ids=self.token_ids(),
             behav_logprobs=np.concatenate(self.logprobs),
             versions=np.concatenate(self.versions),
             loss_mask=mask,
+            routing=np.concatenate(self.routing) if routed and self.routing else None,
             **fields,
         )
 

@@ -22,7 +22,9 @@ from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import TaskStream, drop_long_prompts, load_task_records, split_heldout
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import model_config_from_hf, save_hf_checkpoint
+from areal_jax.models.hf_config import model_config_from_hf
+from areal_jax.models.hf_io import save_hf_checkpoint
+from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.init import create_decoder
 from areal_jax.models.lora import adapter_free, merged_state
 from areal_jax.models.peft_io import save_peft_adapter
@@ -113,14 +115,22 @@ def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The starting policy's architecture (`cfg.model`, or the HF checkpoint's), its vocabulary limited to the
     tokenizer's, without reading any weights."""
     if cfg.hf_checkpoint is None:
-        return cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
-    return checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
+        config = cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
+    else:
+        config = checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
+    if config.hybrid is not None:  # refused before anything loads, not at the engine's first prefill
+        raise ConfigError(
+            "hf_checkpoint" if cfg.hf_checkpoint else "model.family",
+            "is a qwen3_5 model: its trainer path and HF import/export exist, but the rollout engine cannot serve "
+            "its Gated DeltaNet layers yet (issue 37), so it cannot be trained with RL here",
+        )
+    return config
 
 
 def abstract_policy(cfg: ExperimentConfig, tokenizer: Tokenizer) -> Decoder:
     """The policy with abstract arrays: the shape of what a rollout server loads from the weight store."""
     config = policy_config(cfg, tokenizer)
-    return nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(stream_seed(cfg.seed, "init"))))
+    return nnx.eval_shape(lambda: new_decoder(config, nnx.Rngs(stream_seed(cfg.seed, "init"))))
 
 
 def _hf_config(source: str) -> dict[str, Any]:

@@ -8,8 +8,10 @@ pause.
 
 Rollout server i of N owns the group ids g with g % N == i (group g is always prompt g of the task
 stream) and the i-th of N near-equal shares of the staleness bound (see `StalenessManager`): the N bounds
-add up to the one-process bound, with nothing to agree on at run time. A restarted server finds from the
-log which of its groups were written and issues the others again (`resume_point`).
+add up to the one-process bound. The one thing the servers tell each other is their admission floor
+(`control/rollout-<i>.floor.json`, `admission_floors.py`), so that a slow server's old prompts hold the
+fast ones back as they would in one process. A restarted server finds from the log which of its groups
+were written and issues the others again (`resume_point`).
 """
 
 from __future__ import annotations
@@ -110,6 +112,24 @@ class ControlFiles:
         """The direct weight path's announcement (`weights/direct.py`): the version on offer and how to pull
         it; written by the trainer, read by the servers."""
         return storage.join(self.directory, "weights-direct.json")
+
+    def floor_path(self, server: int) -> str:
+        """Server i's admission floor (`rollout/staleness.py`), written by server i alone once the trainer set it
+        to the version it starts from (`reset_floors`)."""
+        return storage.join(self.directory, f"rollout-{server}.floor.json")
+
+    def reset_floors(self, version: int) -> None:
+        """A (re)started trainer at `version`, before any server starts: no server has admitted anything yet."""
+        for server in range(self.servers):
+            self.write_floor(server, version)
+
+    def write_floor(self, server: int, floor: int | None) -> None:
+        """Server i's floor; None once it admits nothing more (its prompts ran out)."""
+        write_json_atomic(self.floor_path(server), {"floor": floor, "time": time.time()})
+
+    def floor(self, server: int) -> int | None:
+        found = read_json(self.floor_path(server))
+        return None if found is None else found["floor"]
 
     def trainer_starting(self) -> None:
         storage.remove(self.ready_path)

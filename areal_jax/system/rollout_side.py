@@ -110,17 +110,21 @@ def open_rollout_side(
     *,
     server: int = 0,
     servers: int = 1,
+    admits_from: int = 0,
     on_failure: Callable[[], None] | None = None,
 ) -> Iterator[RolloutSide]:
     """Server `server` of `servers` generating from `params` (version `version`, on `engine`'s shardings)
-    until the context ends; `on_failure` is called once its rollouts spent their failure budget."""
+    until the context ends, admitting at `admits_from` or a later version (a restarted server's earlier
+    floor, `StalenessManager`); `on_failure` is called once its rollouts spent their failure budget."""
     loaded = engine.load_params(params, version)
     del params  # the engine has its copy: a reference here would pin the first version for the whole run
     engine.warmup(loaded)
     log_dir = cfg.layout.rollout_log
     logged = logged_groups(log_dir)
     point = resume_point(logged, server, servers, untrained=[g for g, trains in logged.items() if not trains])
-    staleness = StalenessManager(cfg.rollout.staleness, version, server=server, servers=servers)
+    staleness = StalenessManager(
+        cfg.rollout.staleness, version, server=server, servers=servers, admits_from=admits_from
+    )
     staleness.restore(point.written, 0, version)
     logger.info(
         "rollout server %d of %d at weights v%d: %d groups written before, %d re-issued, next id %d",

@@ -59,6 +59,7 @@ RESUME_MAY_CHANGE = (
     "cluster.start_timeout_s",
     "cluster.restarts",
     "cluster.status_every_s",
+    "cluster.floors_poll_s",
     # speed and memory only: the same values are computed
     "model.remat",
     "model.logprob_chunk",

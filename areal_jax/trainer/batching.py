@@ -50,6 +50,9 @@ class PackedBatch(NamedTuple, Generic[ArrayT]):
     logp_behav: ArrayT  # float32, b_{p+1}
     versions: ArrayT  # int32, v_{p+1}; -1 where the token was not sampled by the policy
     advantages: ArrayT  # float32, the sequence's advantage on each of its positions
+    # [M, B, L, Ym, K] uint8/uint16: the rollout's experts for input x_p (`Trajectory.routing`), when every
+    # trajectory carries them (a mixture of experts); None otherwise
+    routing: ArrayT | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -155,7 +158,34 @@ def _write_minibatch(
         logp_behav[at] = t.behav_logprobs[1:]
         versions[at] = t.versions[1:]
         advantages[at] = adv_N[k]
-    return PackedBatch(*out)
+    return PackedBatch(
+        tokens,
+        targets,
+        segment_ids,
+        positions,
+        loss_mask,
+        logp_behav,
+        versions,
+        advantages,
+        _write_routing(trajectories, plan, shape),
+    )
+
+
+def _write_routing(
+    trajectories: Sequence[Trajectory], plan: PackPlan, shape: tuple[int, int, int]
+) -> np.ndarray | None:
+    """The routing of the inputs x_0 .. x_{T-2} placed like the tokens, [M, B, L, Ym, K] (expert 0 on padding, and
+    on a sequence without routing or loss tokens: an aborted sample never prefilled); None unless every trajectory
+    with loss tokens has routing."""
+    routed = [t.routing for t in trajectories if t.routing is not None]
+    if not routed or any(t.routing is None and t.num_loss_tokens for t in trajectories):
+        return None
+    out = np.zeros((*shape, *routed[0].shape[1:]), routed[0].dtype)
+    for k, t in enumerate(trajectories):
+        if t.routing is not None:
+            n, start = int(plan.lengths_N[k]), int(plan.offset_N[k])
+            out[int(plan.microbatch_N[k]), int(plan.row_N[k]), start : start + n] = t.routing[:-1]
+    return out
 
 
 def build_batch(
@@ -183,6 +213,14 @@ def build_batch(
             f"trajectory {t.prompt_id}/{t.sample_index} has {t.length} token(s); training needs at least 2 "
             "(a prompt token and a predicted token)"
         )
+    if config.moe.routing_replay == "rollout":
+        unrouted = [t for t in trajectories if t.routing is None and t.num_loss_tokens]
+        if unrouted:
+            t = unrouted[0]
+            raise ValueError(
+                f"trainer.moe.routing_replay is 'rollout' but trajectory {t.prompt_id}/{t.sample_index} (and "
+                f"{len(unrouted) - 1} more) has no routing; the sampler records it for a mixture of experts only"
+            )
     rewards_N = np.asarray([t.reward for t in trajectories], np.float32)
     overlong_stats = {}
     if config.advantage.overlong_buffer > 0:

@@ -60,6 +60,18 @@ class OptimizerConfig(Config):
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainerMoEConfig(Config):
+    """How the trainer routes a mixture of experts (`model.moe`; docs/moe.md)."""
+
+    routing_replay: Literal["none", "rollout"] = option(
+        "none",
+        doc="rollout: route each trained token to the experts the sampler recorded for it (R3; every trajectory "
+        "must carry routing), gate weights from the trainer's router at those experts; none: the trainer's own "
+        "top-k. Either way moe/* reports how often the trainer's own routing differs from the rollout's",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerConfig(Config):
     """The trainer: one step = advantages (with DAPO's overlong shaping when `advantage.overlong_buffer` > 0),
     the proximal log-prob pass (unless `ppo.prox_logp_method` approximates it, or with auto the step is
@@ -97,6 +109,9 @@ class TrainerConfig(Config):
     advantage: AdvantageConfig = option(default_factory=AdvantageConfig, doc="outcome-reward advantages")
     packing: PackingConfig = option(
         default_factory=PackingConfig, doc="micro-batch buckets: each step the least-padding one under the token budget"
+    )
+    moe: TrainerMoEConfig = option(
+        default_factory=TrainerMoEConfig, doc="mixture-of-experts routing in the trainer (model.moe only)"
     )
 
     @property

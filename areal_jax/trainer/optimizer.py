@@ -1,5 +1,6 @@
 """The trainer's optimizer, built from `OptimizerConfig`: the lr schedule, weight decay by parameter kind,
-global-norm clipping and AdamW, with non-finite updates skipped; and the values read back from its state.
+global-norm clipping and AdamW, with non-finite updates skipped; the values read back from its state, and its
+shardings (`opt_state_shardings`: every Adam moment exactly like its parameter).
 
 `make_optimizer` is the whole optimizer (its state is the trainer's optimizer state); `optimizer_parts` gives
 its clipping and AdamW apart, for the train step that applies them in two programs (`train_step.py`).
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.lora import LoRAParam
 from areal_jax.trainer.config import OptimizerConfig
@@ -88,3 +90,18 @@ def learning_rate(opt_state: optax.OptState) -> jax.Array:
 def applied_updates(opt_state: optax.OptState) -> jax.Array:
     """The number of updates a `make_optimizer` state has applied (skipped ones not counted): the schedule's count."""
     return optax.tree_utils.tree_get(opt_state, optax.InjectStatefulHyperparamsState.__name__).count
+
+
+def opt_state_shardings(abstract_opt_state: Any, params_shardings: Any, abstract_params: Any, mesh: Mesh) -> Any:
+    """Shardings of an optax state: every subtree shaped like the params gets the params' shardings, every
+    other leaf (step counts, hyperparameters) is replicated."""
+    params_def = jax.tree.structure(abstract_params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def like_params(node: Any) -> bool:
+        return jax.tree.structure(node) == params_def  # type: ignore[operator]  # jaxlib ships no PyTreeDef stubs
+
+    def one(node: Any) -> Any:
+        return params_shardings if like_params(node) else jax.tree.map(lambda _: replicated, node)
+
+    return jax.tree.map(one, abstract_opt_state, is_leaf=like_params)

@@ -41,7 +41,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.models.decoder import Decoder
+from areal_jax.activation_sharding import activations_on
+from areal_jax.models.hybrid import new_decoder
+from areal_jax.models.moe import RouterOutput
 from areal_jax.objectives.config import KLEstimator, PPOConfig
 from areal_jax.objectives.kl import kl_shaped_advantages
 from areal_jax.objectives.ppo import ppo_loss
@@ -50,38 +52,42 @@ from areal_jax.objectives.stats import count_loss_sequences, count_loss_tokens, 
 from areal_jax.sharding import logical_to_spec, state_shardings
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.config import OptimizerConfig, TrainerConfig
-from areal_jax.trainer.optimizer import learning_rate, learning_rate_schedule, make_optimizer, optimizer_parts
+from areal_jax.trainer.moe_terms import moe_terms
+from areal_jax.trainer.optimizer import (
+    learning_rate,
+    learning_rate_schedule,
+    make_optimizer,
+    opt_state_shardings,
+    optimizer_parts,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def _opt_state_shardings(abstract_opt_state: Any, params_shardings: Any, abstract_params: Any, mesh: Mesh) -> Any:
-    """Shardings of an optax state: every subtree shaped like the params gets the params' shardings, every
-    other leaf (step counts, hyperparameters) is replicated."""
-    params_def = jax.tree.structure(abstract_params)
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def like_params(node: Any) -> bool:
-        return jax.tree.structure(node) == params_def  # type: ignore[operator]  # jaxlib ships no PyTreeDef stubs
-
-    def one(node: Any) -> Any:
-        return params_shardings if like_params(node) else jax.tree.map(lambda _: replicated, node)
-
-    return jax.tree.map(one, abstract_opt_state, is_leaf=like_params)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Scorer:
-    """The static part of a forward pass (hashable, so equal scorers share compiled code)."""
+    """The static part of a forward pass (hashable, so equal scorers share compiled code). With `routing_replay`
+    a mixture of experts routes each token to its recorded experts (`PackedBatch.routing`)."""
 
     graphdef: nnx.GraphDef
     temperature: float
+    routing_replay: bool = False
 
     def token_logprobs(
         self, params: nnx.State, frozen: nnx.State, mb: PackedBatch[jax.Array], dropout_key: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
+        logp_BxL, entropy_BxL, _ = self.token_logprobs_routed(params, frozen, mb, dropout_key)
+        return logp_BxL, entropy_BxL
+
+    def token_logprobs_routed(
+        self, params: nnx.State, frozen: nnx.State, mb: PackedBatch[jax.Array], dropout_key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, RouterOutput | None]:
+        """`token_logprobs` and the sparse layers' routers (None when dense)."""
         model = nnx.merge(self.graphdef, params, frozen)
-        return model.token_logprobs(mb.tokens, mb.targets, mb.segment_ids, mb.positions, self.temperature, dropout_key)
+        args = (mb.tokens, mb.targets, mb.segment_ids, mb.positions, self.temperature, dropout_key)
+        if model.config.moe is None:
+            return (*model.token_logprobs(*args), None)
+        return model.token_logprobs_routed(*args, mb.routing if self.routing_replay else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +105,17 @@ class _Program:
     # own log-probs under stop-gradient, exactly, with no proximal pass (prox_logp_method auto; under LoRA dropout
     # a second forward of the update, without dropout)
     prox_is_current: bool = False
+    router_aux_loss_coef: float = 0.0  # model.moe's
 
     @property
     def param_shardings(self) -> Any:
         return jax.tree.unflatten(self.params_def, self.param_sharding_leaves)
+
+    @property
+    def mesh(self) -> Mesh:
+        mesh = self.param_sharding_leaves[0].mesh
+        assert isinstance(mesh, Mesh)  # the trainer's shardings are on its concrete mesh
+        return mesh
 
     def optimizer(self) -> optax.GradientTransformation:
         return make_optimizer(self.optimizer_config, self._placeholders())
@@ -114,8 +127,11 @@ class _Program:
         return jax.tree.unflatten(self.params_def, [0] * len(self.param_sharding_leaves))
 
 
-def _logprobs_fn(scorer: _Scorer, params: nnx.State, frozen: nnx.State, batch: PackedBatch[jax.Array]) -> jax.Array:
-    logp_MxBxL = jax.lax.map(lambda mb: scorer.token_logprobs(params, frozen, mb)[0], batch)
+def _logprobs_fn(
+    scorer: _Scorer, mesh: Mesh, params: nnx.State, frozen: nnx.State, batch: PackedBatch[jax.Array]
+) -> jax.Array:
+    with activations_on(mesh):
+        logp_MxBxL = jax.lax.map(lambda mb: scorer.token_logprobs(params, frozen, mb)[0], batch)
     return jax.lax.stop_gradient(logp_MxBxL)
 
 
@@ -131,7 +147,7 @@ def _microbatch_loss(
     version: jax.Array,
     dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logp_BxL, entropy_BxL = program.scorer.token_logprobs(params, frozen, mb, dropout_key)
+    logp_BxL, entropy_BxL, router = program.scorer.token_logprobs_routed(params, frozen, mb, dropout_key)
     method, prox_stats = program.ppo.prox_logp_method, {}
     if program.ppo.decoupled and method == "auto" and program.prox_is_current:
         # the params are the step's starting weights; under dropout their log-probs are another forward, without it
@@ -177,6 +193,12 @@ def _microbatch_loss(
         segment_ids_BxL=mb.segment_ids,
         num_loss_sequences_global=num_loss_sequences,
     )
+    if router is not None:
+        share = count_loss_tokens(mb.loss_mask) / jnp.maximum(num_loss_tokens, 1)
+        aux_loss, moe_stats = moe_terms(
+            router, mb.routing, mb.loss_mask, mb.segment_ids, share, program.router_aux_loss_coef
+        )
+        loss, stats = loss + aux_loss, stats | moe_stats
     return loss, stats | kl_reward_stats | prox_stats
 
 
@@ -241,9 +263,10 @@ def _update_gradients_fn(
     dropout_seed: jax.Array | None = None,
 ) -> tuple[nnx.State, jax.Array, dict[str, jax.Array]]:
     """The update's first program: (clipped gradient, whether the gradient is finite, statistics)."""
-    loss, grads, stats = _gradients_fn(
-        program, params, frozen, batch, logp_prox_MxBxL, logp_ref_MxBxL, version, dropout_seed
-    )
+    with activations_on(program.mesh):
+        loss, grads, stats = _gradients_fn(
+            program, params, frozen, batch, logp_prox_MxBxL, logp_ref_MxBxL, version, dropout_seed
+        )
     finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))  # apply_if_finite's
     stats |= {
         "train/loss": loss,
@@ -323,7 +346,9 @@ class TrainStep:
         frozen: nnx.State | None = None,
     ):
         frozen = nnx.State({}) if frozen is None else frozen
-        model_config = nnx.merge(graphdef, params, frozen).config
+        given_config = nnx.merge(graphdef, params, frozen).config
+        # every `auto` for the mesh's devices, which need not be JAX's default backend (a TPU topology compiled on CPU)
+        model_config = given_config.for_platform(mesh.devices.flat[0].platform)
         if model_config.param_dtype != "float32":
             logger.warning(
                 "model.param_dtype is %r: the trainer updates %s weights directly (no float32 master copy); an "
@@ -331,9 +356,10 @@ class TrainStep:
                 model_config.param_dtype,
                 model_config.param_dtype,
             )
-        if config.compute_dtype not in ("model", model_config.compute_dtype_on(mesh.devices.flat[0].platform)):
+        if config.compute_dtype != "model":
             model_config = model_config.replace(compute_dtype=config.compute_dtype)
-            graphdef = nnx.graphdef(nnx.eval_shape(lambda: Decoder(model_config, nnx.Rngs(0))))
+        if model_config != given_config:
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: new_decoder(model_config, nnx.Rngs(0))))
         self.graphdef = graphdef
         self.model_config = model_config
         self.config = config
@@ -342,16 +368,18 @@ class TrainStep:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.param_shardings = state_shardings(abstract, mesh)
         frozen_shardings = state_shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), frozen), mesh)
+        self.frozen_shardings = frozen_shardings
         self.program = _Program(
-            _Scorer(graphdef, temperature),
+            _Scorer(graphdef, temperature, config.moe.routing_replay == "rollout" and model_config.moe is not None),
             config.optimizer,
             config.ppo,
             config.advantage.kl_reward_coef,
             config.advantage.kl_estimator,
             jax.tree.structure(abstract),
             tuple(jax.tree.leaves(self.param_shardings)),
+            router_aux_loss_coef=model_config.moe.router_aux_loss_coef if model_config.moe is not None else 0.0,
         )
-        self.opt_shardings = _opt_state_shardings(
+        self.opt_shardings = opt_state_shardings(
             jax.eval_shape(partial(_init_fn, self.program), abstract), self.param_shardings, abstract, mesh
         )
         self.batch_sharding = NamedSharding(mesh, logical_to_spec((None, "batch", None), mesh=mesh))
@@ -360,13 +388,16 @@ class TrainStep:
         params_sh, opt_sh, batch_sh = self.param_shardings, self.opt_shardings, self.batch_sharding
         replicated = NamedSharding(mesh, PartitionSpec())
         self._copy = jax.jit(_copy_fn, in_shardings=(params_sh,), out_shardings=params_sh)
-        # the frozen base (LoRA): placed once, an argument of every pass, never differentiated nor updated
-        self.frozen = jax.jit(_copy_fn, in_shardings=(frozen_shardings,), out_shardings=frozen_shardings)(
-            jax.device_put(frozen, frozen_shardings)
-        )
+        # the frozen base (LoRA): placed on first use (nothing runs here: an ahead-of-time compile builds a step
+        # for devices that exist only as a topology), an argument of every pass, never differentiated nor updated
+        self._frozen_source: nnx.State | None = frozen
+        self._frozen: nnx.State | None = None
         self._init = jax.jit(_init_fn, static_argnums=0, in_shardings=(params_sh,), out_shardings=opt_sh)
         self._logprobs = jax.jit(
-            _logprobs_fn, static_argnums=0, in_shardings=(params_sh, frozen_shardings, batch_sh), out_shardings=batch_sh
+            _logprobs_fn,
+            static_argnums=(0, 1),
+            in_shardings=(params_sh, frozen_shardings, batch_sh),
+            out_shardings=batch_sh,
         )
         self._update_gradients = jax.jit(
             _update_gradients_fn,
@@ -382,6 +413,18 @@ class TrainStep:
             donate_argnums=(1, 2),  # params and state, updated in place (the gradient has no output to alias)
         )
         self._skip = jax.jit(_skip_fn, in_shardings=(opt_sh,), out_shardings=(opt_sh, replicated), donate_argnums=0)
+
+    @property
+    def frozen(self) -> nnx.State:
+        """The frozen base on the trainer shardings (an empty state without LoRA), placed on first use."""
+        if self._frozen is None:
+            assert self._frozen_source is not None
+            shardings = self.frozen_shardings
+            self._frozen = jax.jit(_copy_fn, in_shardings=(shardings,), out_shardings=shardings)(
+                jax.device_put(self._frozen_source, shardings)
+            )
+            self._frozen_source = None
+        return self._frozen
 
     @property
     def uses_dropout(self) -> bool:
@@ -425,7 +468,7 @@ class TrainStep:
     def logprobs(self, params: nnx.State, batch: PackedBatch[jax.Array]) -> jax.Array:
         """log pi(target) [M, B, L] of every position under `params`, at the trainer's temperature: the
         proximal log-probs with the step's params, the reference log-probs with the reference params."""
-        return self._logprobs(self.program.scorer, params, self.frozen, batch)
+        return self._logprobs(self.program.scorer, self.mesh, params, self.frozen, batch)
 
     def update(
         self,

@@ -1,0 +1,127 @@
+"""What a compiled program moves between chips: its collectives by kind, count and bytes, read from the compiled
+HLO text, each counted as often as it runs (a `while` body's once per trip: XLA's known trip count).
+
+Legend: a collective's bytes are its result's (per chip): an all-gather's gathered array, an all-reduce's
+reduced one, a reduce-scatter's shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
+_BYTES |= {"s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64)\[([\d,]*)\]")
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=(\{[%\w.\-, ]+\}|%[\w.\-]+)")
+_OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_CONSTANT = re.compile(r"\bs32\[\]\S*\s+constant\((\d+)\)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its kind, result shapes (dtype, dims), and how many times it runs."""
+
+    kind: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    runs: int
+
+    @property
+    def bytes(self) -> int:
+        """Per chip, per run."""
+        return sum(_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in self.shapes)
+
+
+def _collective(line: str) -> tuple[str, tuple[tuple[str, tuple[int, ...]], ...]] | None:
+    """(kind, result shapes) of an instruction line that is a collective (an async one's `-start`; its
+    `-done` is not counted), else None."""
+    if " = " not in line:
+        return None
+    result = line.split(" = ", 1)[1]
+    match = _OP.search(result)
+    if match is None:
+        return None
+    shapes = [
+        (dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(result[: match.start()])
+    ]
+    if match.group(2) and len(shapes) > 1:  # an async start's result: (operands..., results...)
+        shapes = shapes[len(shapes) // 2 :]
+    return match.group(1), tuple(shapes)
+
+
+def _trip_count(condition: list[str]) -> int:
+    """A scan's trip count: the bound its loop condition compares the counter with (its largest s32 constant)."""
+    bounds = [int(n) for line in condition for n in _CONSTANT.findall(line)]
+    return max(bounds, default=1)
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled module's HLO text, with the times it runs per call of the module."""
+    bodies: dict[str, list[str]] = {}
+    entry = None
+    current: list[str] | None = None
+    for line in hlo_text.splitlines():
+        match = _COMPUTATION.match(line)
+        if match:
+            current = bodies.setdefault(match.group(1), [])
+            if line.startswith("ENTRY"):
+                entry = match.group(1)
+        elif current is not None:
+            current.append(line)
+    # how often each computation runs: its callers' counts, a while body's times the loop's trip count
+    edges: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for name, lines in bodies.items():
+        for line in lines:
+            calls = _CALLS.findall(line)
+            condition = next((c.strip(" {}%") for role, c in calls if role == "condition"), None)
+            for role, callees in calls:
+                for callee in (c.strip(" {}%") for c in callees.split(",")):
+                    edges[name].append((callee, condition if role == "body" and condition else ""))
+    runs: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, times: int, depth: int = 0) -> None:
+        if depth > 64:
+            return
+        runs[name] += times
+        for callee, condition in edges.get(name, ()):
+            factor = _trip_count(bodies.get(condition, [])) if condition else 1
+            visit(callee, times * factor, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1)
+    found = []
+    for name, lines in bodies.items():
+        for line in lines:
+            collective = _collective(line)
+            if collective is not None and runs.get(name, 0):
+                found.append(Collective(collective[0], collective[1], runs[name]))
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
+    """Per kind: instructions, runs per call and bytes per chip per call."""
+    out: dict[str, dict[str, int]] = {}
+    for c in found:
+        entry = out.setdefault(c.kind, {"instructions": 0, "runs": 0, "bytes": 0})
+        entry["instructions"] += 1
+        entry["runs"] += c.runs
+        entry["bytes"] += c.runs * c.bytes
+    return out
+
+
+_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%([A-Za-z_][\w\-]*?)(?:\.\d+)*\s+=.*custom_call_target=\"tpu_custom_call\"")
+
+
+def kernels(hlo_text: str) -> dict[str, int]:
+    """The Pallas (Mosaic) kernels a compiled TPU module calls, by name (the instruction's), with their call
+    sites' count (a kernel in a loop body counted once)."""
+    found: dict[str, int] = defaultdict(int)
+    for line in hlo_text.splitlines():
+        match = _KERNEL.match(line)
+        if match:
+            found[match.group(1)] += 1
+    return dict(sorted(found.items()))

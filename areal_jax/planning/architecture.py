@@ -1,0 +1,37 @@
+"""The policy's shapes for a plan or an ahead-of-time compile: no weights and no tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.configuration import ConfigError
+from areal_jax.models.config import ModelConfig
+
+
+def architecture(cfg: ExperimentConfig) -> ModelConfig:
+    """`model`, or the HF checkpoint's config.json with the run's `model.*` choices over it. The tokenizer's
+    vocabulary limit (`assembly.policy_config`) masks logits and changes no shape, so it is left out."""
+    if cfg.hf_checkpoint is None:
+        return cfg.model
+    from areal_jax.models.hf_config import model_config_from_hf
+    from areal_jax.system.assembly import hf_load_options
+
+    config_file = Path(cfg.hf_checkpoint) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(
+            "hf_checkpoint",
+            f"{config_file} not found: only the checkpoint's config.json is read (put it there, or set "
+            "hf_checkpoint=null and the model.* shapes)",
+        )
+    try:
+        return model_config_from_hf(json.loads(config_file.read_text()), **hf_load_options(cfg.model))
+    except ConfigError as err:
+        raise err.under("model") from None
+
+
+def on_platform(model: ModelConfig, platform: str) -> ModelConfig:
+    """`model` with its `auto` choices made for devices of `platform`, not for this machine's backend (an
+    ahead-of-time compile for TPU runs on a CPU host)."""
+    return model.replace(compute_dtype=model.compute_dtype_on(platform), scan_layers=model.scans_layers(platform))

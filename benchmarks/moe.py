@@ -1,0 +1,142 @@
+"""Mixture of experts: the trainer-vs-engine mismatch with and without routing replay, and the dropless experts'
+throughput.
+
+- mismatch: a random-weights Qwen3-MoE samples sequences on the engine in float32 (the sampler's numerics); the
+  trainer scores them in bfloat16 (its numerics differ, so some near-tied routers pick other experts). Printed
+  per replay mode (`trainer.moe.routing_replay` none / rollout): the mean |log p_trainer - log p_engine| over the
+  sampled tokens, and the routing agreement, the share of (token, sparse layer) pairs the trainer computed through
+  the experts the engine recorded. Replay leaves only the bfloat16 rounding of the same experts.
+- throughput: one MoE layer's forward (router, top-k, experts) over M tokens, tokens/s, with the grouped matmuls
+  (`jax.lax.ragged_dot`, dropless) against the dense one-hot reference (every expert on every token).
+
+CPU only (bfloat16 compute on XLA:CPU). `--quick` runs in under a minute. Prints `name: value unit` lines; the last
+is `ratio mismatch_off_vs_on: X` (the mismatch without replay over the mismatch with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.inference.engine import Engine
+from areal_jax.inference.engine_config import EngineConfig
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.requests import GenerationResult
+from areal_jax.inference.sampling import SamplingParams
+from areal_jax.models.config import ModelConfig, MoEConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.moe import dropless_experts, one_hot_experts, route
+
+MODEL = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    qkv_bias=False,
+    qk_norm=True,
+    initializer_range=0.1,
+    compute_dtype="float32",
+    moe=MoEConfig(num_experts=16, experts_per_token=2, expert_intermediate_size=64, norm_topk_prob=True),
+)
+
+
+def report(name: str, value: float, unit: str) -> None:
+    print(f"{name}: {value:.4g} {unit}", flush=True)
+
+
+def sample(model: Decoder, prompts: int, new_tokens: int) -> list[GenerationResult]:
+    engine = Engine(model, EngineConfig(max_slots=8, max_length=128))
+    rng = np.random.default_rng(0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    with Generator(engine, engine.load_params(nnx.state(model), 0)) as gen:
+        futures = [gen.submit(rng.integers(0, MODEL.vocab_size, 16).tolist(), sampling, n=2) for _ in range(prompts)]
+        return [r for f in futures for r in f.result(timeout=600)]
+
+
+def mismatch(model: Decoder, results: list[GenerationResult], replay: bool) -> tuple[float, float]:
+    """(mean |trainer - engine| log-prob over sampled tokens, routing agreement) with the trainer in bfloat16."""
+    graphdef, state = nnx.split(Decoder(MODEL.replace(compute_dtype="bfloat16"), nnx.Rngs(0)))
+
+    @jax.jit
+    def score(state: nnx.State, tokens_1xT: jax.Array, routing_1xTxYmxK: jax.Array | None):
+        trainer = nnx.merge(graphdef, state)
+        ones, positions = jnp.ones_like(tokens_1xT), jnp.arange(tokens_1xT.shape[1])[None]
+        logp, _, router = trainer.token_logprobs_routed(
+            tokens_1xT[:, :-1], tokens_1xT[:, 1:], ones[:, :-1], positions[:, :-1], 1.0, None, routing_1xTxYmxK
+        )
+        return logp[0], router.used[:, 0]
+
+    gaps, agree = [], []
+    for r in results:
+        assert r.routing is not None
+        tokens = jnp.asarray([[*r.prompt_ids, *r.output_ids]])
+        recorded_TxYmxK = r.routing[:-1]
+        replayed = jnp.asarray(recorded_TxYmxK[None]) if replay else None
+        logp_T, used_YmxTxK = score(nnx.state(model), tokens, replayed)
+        p = len(r.prompt_ids)
+        gaps.append(np.abs(np.asarray(logp_T)[p - 1 :] - np.asarray(r.output_logprobs)))
+        used_TxYmxK = np.sort(np.moveaxis(np.asarray(used_YmxTxK), 0, 1), axis=-1)
+        same = np.all(used_TxYmxK == np.sort(recorded_TxYmxK, axis=-1), axis=-1)[p - 1 :]
+        agree.append(same.reshape(-1))
+    del state
+    return float(np.concatenate(gaps).mean()), float(np.concatenate(agree).mean())
+
+
+def layer_throughput(tokens: int, repeats: int) -> dict[str, float]:
+    """tokens/s of one MoE layer's forward (bf16 activations and weights), ragged_dot vs one-hot reference."""
+    moe, d = MODEL.moe, MODEL.hidden_size
+    assert moe is not None
+    e, f, k = moe.num_experts, moe.expert_intermediate_size, moe.experts_per_token
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, d), jnp.bfloat16)
+    router = 0.05 * jax.random.normal(keys[1], (d, e), jnp.bfloat16)
+    gate_up = 0.05 * jax.random.normal(keys[2], (e, d, 2, f), jnp.bfloat16)
+    down = 0.05 * jax.random.normal(keys[3], (e, f, d), jnp.bfloat16)
+    out = {}
+    for name, experts in (("ragged_dot", dropless_experts), ("one_hot", one_hot_experts)):
+
+        @jax.jit
+        def layer(x, router, gate_up, down, experts=experts):
+            weights, ids = route(jnp.einsum("md,de->me", x, router, preferred_element_type=jnp.float32), k, True)
+            return experts(x, weights, ids, gate_up, down)
+
+        layer(x, router, gate_up, down).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            layer(x, router, gate_up, down).block_until_ready()
+            best = min(best, time.perf_counter() - started)
+        out[name] = tokens / best
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sequences and tokens: under a minute")
+    args = parser.parse_args()
+    model = Decoder(MODEL, nnx.Rngs(0))
+    results = sample(model, prompts=4 if args.quick else 16, new_tokens=24 if args.quick else 64)
+    report("sampled_tokens", sum(len(r.output_ids) for r in results), "tokens")
+    gap = {}
+    for replay in (False, True):
+        name = "on" if replay else "off"
+        gap[name], agreement = mismatch(model, results, replay)
+        report(f"logp_abs_diff replay_{name}", gap[name], "nats")
+        report(f"routing_agreement replay_{name}", agreement, "share")
+    throughput = layer_throughput(tokens=1024 if args.quick else 4096, repeats=3 if args.quick else 10)
+    for name, rate in throughput.items():
+        report(f"moe_layer_tokens_per_s {name}", rate, "tokens/s")
+    report("ratio ragged_dot_vs_one_hot", throughput["ragged_dot"] / throughput["one_hot"], "x")
+    report("ratio mismatch_off_vs_on", gap["off"] / gap["on"], "x")
+
+
+if __name__ == "__main__":
+    main()
