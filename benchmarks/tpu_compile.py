@@ -17,7 +17,7 @@ from pathlib import Path
 
 from scale import SHAPES
 
-from areal_jax.jax_platforms import quiet_absent_tpu
+import areal_jax  # noqa: F401  (its import leaves the absent TPU backend out: areal_jax/jax_platforms.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -43,7 +43,6 @@ def main() -> None:
     parser.add_argument("--topology", default=None, help="default: v5e-8 with --quick, else v5p-8")
     parser.add_argument("--config", default=str(ROOT / "configs/recipes/qwen25_05b_gsm8k_gpu.yaml"))
     args = parser.parse_args()
-    quiet_absent_tpu()
     from areal_jax.compile.agreement import agreements
     from areal_jax.compile.report import compile_for_slice
     from areal_jax.config import load_experiment
