@@ -40,15 +40,15 @@ DATA = Path(__file__).parent / "data"
 
 
 def _config(work_root: Path, **changes) -> CodeRewardConfig:
-    return CodeRewardConfig(
-        timeout_s=TIMEOUT_S,
-        memory_mb=256,
-        max_parallel=2,
-        uid_base=UID_BASE,
-        uid_span=UID_SPAN,
-        work_root=str(work_root),
-        **changes,
-    )
+    settings = {
+        "timeout_s": TIMEOUT_S,
+        "memory_mb": 256,
+        "max_parallel": 2,
+        "uid_base": UID_BASE,
+        "uid_span": UID_SPAN,
+        "work_root": str(work_root),
+    }
+    return CodeRewardConfig(**(settings | changes))
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +177,14 @@ def test_fork_bomb_is_contained(verifier):
     assert time.monotonic() - start < TIMEOUT_S + 3.0
 
 
-def test_memory_bomb_hits_memory_limit(verifier):
-    bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))\n"
-    assert verifier.score(bomb, _stdin_case("1")).verdict == "memory_limit"
-    assert verifier.score("x = [0] * (10 ** 10)", _stdin_case("1")).verdict == "memory_limit"
+def test_memory_bomb_hits_memory_limit(work_root):
+    # A generous clock: on a loaded 2-core machine the interpreter's start alone can pass 1.5 s, and this test is
+    # about which limit a memory bomb meets, not how fast it meets it.
+    with CodeVerifier(_config(work_root, timeout_s=20.0)) as v:
+        bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))\n"
+        result = v.score(bomb, _stdin_case("1"))
+        assert result.verdict == "memory_limit", result.cases[0].detail
+        assert v.score("x = [0] * (10 ** 10)", _stdin_case("1")).verdict == "memory_limit"
 
 
 def test_stdout_flood_hits_output_limit(verifier):
