@@ -4,6 +4,7 @@ train.log receives the run's log records; a resumed run continues the files."""
 import io
 import json
 import logging
+import subprocess
 import sys
 import types
 
@@ -243,3 +244,22 @@ def test_step_records_warn_of_heavy_rejection_and_truncation_at_most_every_50_st
     # logged when above one half, then not again for 50 steps; each warning keeps its own clock
     assert [m.split("%")[0].split()[-1] for m in rejection] == ["90", "90", "60"], rejection
     assert len(truncation) == 1 and truncation[0].startswith("80%"), truncation
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports torch whenever it is installed (it is, for the parity tests): 5-7 s of every
+    `areal-jax` process's start-up and 2-3 s of its exit, for tensors a run never hands it."""
+    script = (
+        "import sys\n"
+        "from areal_jax.reporting.run_reporter import RunReporter\n"
+        "from areal_jax.system_config import ReportConfig\n"
+        "with RunReporter(ReportConfig(live='never', plots=False), sys.argv[1], total_steps=1) as r:\n"
+        "    r.log(1, {'train/loss': 0.5})\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars(tensorboard_tag("train/loss"))] == [0.5]

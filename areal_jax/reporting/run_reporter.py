@@ -133,8 +133,7 @@ class RunReporter:
 
         self.history: History = _keep_steps_upto(self.metrics_path, start_step)
         self.metrics = self.metrics_path.open("a", encoding="utf-8")
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _tensorboardx_writer_class()
         self.tensorboard = SummaryWriter(
             str(self.tensorboard_dir),
             purge_step=start_step + 1,  # TensorBoard hides what an earlier process wrote after the checkpoint
@@ -338,6 +337,22 @@ class RunReporter:
 def tensorboard_tag(key: str) -> str:
     """The TensorBoard tag of a stats key: characters outside `[A-Za-z0-9_./-]` become `_`."""
     return _TAG_REFUSED.sub("_", key).lstrip("/")
+
+
+def _tensorboardx_writer_class() -> Any:
+    """tensorboardX's SummaryWriter, imported without torch: the package imports torch when it is installed
+    (only to accept its tensors; we write floats), which cost 5-7 s of start-up and 2-3 s of interpreter exit
+    per process here. A process that already has torch keeps it."""
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError, which it catches
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _import_wandb(project: str) -> Any:
