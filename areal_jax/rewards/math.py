@@ -24,8 +24,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal, TypeVar
 
-from math_verify import parse, verify
-
 from areal_jax.configuration import Config, ConfigError, option
 
 logger = logging.getLogger(__name__)
@@ -154,18 +152,25 @@ def extract_answer(
 
 
 def _worker_init() -> None:
-    """Silence math-verify's 'timeout disabled' notice (the pool enforces the timeout) and ignore Ctrl-C."""
+    """Import math-verify (sympy: ~0.8 s, paid by the workers, not by every process that reads a reward config),
+    silence its 'timeout disabled' notice (the pool enforces the timeout) and ignore Ctrl-C."""
+    import math_verify  # noqa: F401
+
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(gold: str) -> list[Any]:
+    from math_verify import parse
+
     return parse("\\boxed{" + gold + "}", parsing_timeout=None)
 
 
 def judge(answer: str, gold: str, float_rounding: int = 6) -> tuple[bool, bool]:
     """(answer parses to a math object, answer is equivalent to gold), judged by math-verify without a timeout."""
+    from math_verify import parse, verify
+
     parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     if not parsed:
         return False, False
