@@ -18,7 +18,7 @@ import contextvars
 from collections.abc import Iterator, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from areal_jax.sharding import logical_to_spec
 
@@ -45,15 +45,23 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def mesh_platform() -> str:
-    """The platform of the devices a program is being built for: the mesh of `activations_on`, else the mesh of
-    `jax.set_mesh` (read as the abstract mesh, which also answers inside `jit`), else JAX's default backend.
-    An ahead-of-time compile for a TPU topology runs on a CPU machine, so `jax.default_backend()` alone would
-    pick the CPU's kernels."""
+def program_mesh() -> Mesh | AbstractMesh | None:
+    """The mesh a program is being built for: that of `activations_on`, else that of `jax.set_mesh` (read as the
+    abstract mesh, which also answers inside `jit`), else None."""
     mesh = _MESH.get()
     if mesh is not None:
-        return str(mesh.devices.flat[0].platform)
+        return mesh
     abstract = jax.sharding.get_abstract_mesh()
-    if not abstract.empty and abstract.abstract_device is not None:
-        return str(abstract.abstract_device.platform)
+    return None if abstract.empty else abstract
+
+
+def mesh_platform() -> str:
+    """The platform of the devices a program is being built for (`program_mesh`), else JAX's default backend.
+    An ahead-of-time compile for a TPU topology runs on a CPU machine, so `jax.default_backend()` alone would
+    pick the CPU's kernels."""
+    mesh = program_mesh()
+    if isinstance(mesh, Mesh):
+        return str(mesh.devices.flat[0].platform)
+    if mesh is not None and mesh.abstract_device is not None:
+        return str(mesh.abstract_device.platform)
     return jax.default_backend()

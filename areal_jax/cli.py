@@ -166,7 +166,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     path, overrides = _split_config_args(args.rest)
     cfg = load_experiment(path, overrides)
     if args.memory:
-        return _print_memory_plan(cfg, args)
+        from areal_jax.planning.memory_command import print_memory_plan
+
+        return print_memory_plan(cfg, args.topology, args.rollout_topology, args.devices, args.device_memory_gib)
     if args.devices is None:
         raise ConfigError("--devices", "is required to plan the split (or give --memory for the memory plan)")
     runs = list(args.calibration)
@@ -177,33 +179,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     calibrations = [read_calibration(run, args.skip_steps, args.step_quantile) for run in runs]
     plan = make_plan(cfg, calibrations, args.devices, eta=args.eta, batch_prompts=args.batch_prompts)
     print("\n".join(plan.lines()))
-    return 0
-
-
-def _print_memory_plan(cfg: Any, args: argparse.Namespace) -> int:
-    from areal_jax.planning.architecture import architecture
-    from areal_jax.planning.hardware import hardware, plan_for_hardware
-    from areal_jax.planning.memory import GIB, USABLE_SHARE, device_capacity, plan_memory
-    from areal_jax.system.assembly import build_meshes
-
-    planned = args.topology, args.rollout_topology, args.devices, args.device_memory_gib
-    capacity: int | None
-    if any(flag is not None for flag in planned):  # hardware this machine need not have
-        where = hardware(args.topology, args.rollout_topology, args.devices, args.device_memory_gib)
-        plan = plan_for_hardware(cfg, where)
-        capacity = where.device_bytes
-        print(f"memory plan on {where.name}:")
-    else:
-        inference_mesh, trainer_mesh = build_meshes(cfg)
-        plan = plan_memory(cfg, architecture(cfg), trainer_mesh, inference_mesh)
-        capacity = device_capacity(list(trainer_mesh.devices.flat))
-    print("\n".join(plan.lines()))
-    if capacity is None:
-        print("not checked: the devices report no memory limit")
-        return 0
-    plan.check(capacity)
-    need = plan.host_total if plan.host else plan.device_total
-    print(f"fits: {need / GIB:.1f} GiB of {capacity * USABLE_SHARE / GIB:.1f} GiB usable")
     return 0
 
 

@@ -134,6 +134,12 @@ class ExperimentConfig(Config):
                 f"is {self.trainer.advantage.overlong_buffer} but rollout.workflow.kind is multi_turn, whose "
                 "responses hold the environment's turns too, so their length is not the model's; set it to 0",
             )
+        if self.rollout.workflow.kind == "external" and self.eval.every_steps and self.dataset.heldout:
+            raise ConfigError(
+                "eval.every_steps",
+                f"is {self.eval.every_steps} but rollout.workflow.kind is external: the run has no agent of its "
+                "own to evaluate the held-out prompts with; set it (or dataset.heldout) to 0",
+            )
         longest, what = self.longest_sample()
         budget = self.trainer.packing.token_budget  # auto is chosen per platform to fit the longest sample
         if budget != "auto" and longest > (row := self.trainer.packing.row_length):
@@ -150,7 +156,7 @@ class ExperimentConfig(Config):
 
     def longest_sample(self) -> tuple[int, str]:
         """The longest possible trajectory in tokens and the keys it comes from."""
-        if self.rollout.workflow.kind in ("multi_turn", "agent"):
+        if self.rollout.workflow.kind in ("multi_turn", "agent", "external"):
             return self.rollout.engine.max_length, f"rollout.engine.max_length ({self.rollout.workflow.kind})"
         sampling = self.rollout.workflow.sampling
         return (

@@ -11,12 +11,20 @@ throughput.
 
 CPU only (bfloat16 compute on XLA:CPU). `--quick` runs in under a minute. Prints `name: value unit` lines; the last
 is `ratio mismatch_off_vs_on: X` (the mismatch without replay over the mismatch with it).
+
+`--compile TOPOLOGY [--layers N]` instead compiles the Qwen3-30B-A3B DeepScaleR recipe's programs for a Cloud TPU
+slice (libtpu, no chip, no weights: `areal-jax compile` over Qwen3-30B-A3B's config.json, at N of its 48 layers)
+and prints each program's compile time and temporaries and each side's per-chip memory by the compiler and by the
+plan; the last line is `ratio compiler_vs_plan:`, the larger side's compiler total over its plan total.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +54,39 @@ MODEL = ModelConfig(
     compute_dtype="float32",
     moe=MoEConfig(num_experts=16, experts_per_token=2, expert_intermediate_size=64, norm_topk_prob=True),
 )
+
+
+SIZING = Path(__file__).resolve().parents[1] / "configs/sizing"
+# Qwen/Qwen3-30B-A3B's config.json as published (transformers 4.51.0)
+QWEN3_30B_A3B = json.loads((SIZING / "qwen3_30b_a3b/config.json").read_text())
+RECIPE = SIZING / "qwen3_30b_a3b_deepscaler.yaml"
+MIB = 2**20
+
+
+def compile_recipe(topology: str, layers: int) -> None:
+    """The 30B recipe's programs compiled for `topology` at `layers` layers; per-chip memory against the plan."""
+    from areal_jax.compile.report import compile_for_slice
+    from areal_jax.config import load_experiment
+
+    with tempfile.TemporaryDirectory() as checkpoint:
+        (Path(checkpoint) / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": layers}))
+        cfg = load_experiment(RECIPE, [f"hf_checkpoint={checkpoint}", "tokenizer=null"])
+        started = time.perf_counter()
+        compiled = compile_for_slice(cfg, topology)
+        seconds = time.perf_counter() - started
+    report("layers", layers, "layers")
+    worst = 0.0
+    for side in compiled.sides:
+        for program in side.programs:
+            name = program.name.split(" (")[0].replace(" ", "_")
+            report(f"{side.side}_{name}_compile", program.seconds, "s")
+            report(f"{side.side}_{name}_temporaries", program.temporaries / MIB, "MiB")
+        report(f"{side.side}_resident_compiler", side.resident / MIB, "MiB")
+        report(f"{side.side}_per_chip_compiler", side.peak / MIB, "MiB")
+        report(f"{side.side}_per_chip_plan", side.plan_total / MIB, "MiB")
+        worst = max(worst, side.peak / side.plan_total)
+    report("compile_total", seconds, "s")
+    report("ratio compiler_vs_plan", worst, "x")
 
 
 def report(name: str, value: float, unit: str) -> None:
@@ -121,7 +162,12 @@ def layer_throughput(tokens: int, repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sequences and tokens: under a minute")
+    parser.add_argument("--compile", metavar="TOPOLOGY", help="compile the Qwen3-30B-A3B recipe for this TPU slice")
+    parser.add_argument("--layers", type=int, default=48, help="with --compile: layers of the model (48: all)")
     args = parser.parse_args()
+    if args.compile:
+        compile_recipe(args.compile, args.layers)
+        return
     model = Decoder(MODEL, nnx.Rngs(0))
     results = sample(model, prompts=4 if args.quick else 16, new_tokens=24 if args.quick else 64)
     report("sampled_tokens", sum(len(r.output_ids) for r in results), "tokens")

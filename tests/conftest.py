@@ -86,6 +86,7 @@ _SYSTEM = frozenset(_LONG_FIRST) | {
     "test_evaluation.py",
     "test_tiny_hf_run.py",
     "test_agent_workflow.py",
+    "test_outside_agent.py",
     "test_run_dir.py",
     "test_direct_weights.py",
     "test_weights.py",
@@ -95,6 +96,7 @@ _SYSTEM = frozenset(_LONG_FIRST) | {
     "test_profiling.py",
     "test_lora_run.py",
     "test_moe_replay.py",
+    "test_hybrid_run.py",
 }
 # Unit files whose compiles take tens of seconds (a full run's --durations): marked `slow`, also left out of
 # `--fast`, which keeps one quick check of each piece (the golden step, the engine, the objectives, packing).
@@ -109,9 +111,11 @@ _SLOW = frozenset(
         "test_serving_weights.py",
         "test_tpu_compile.py",
         "test_moe.py",
+        "test_moe_shared.py",
         "test_hybrid_train.py",
         "test_hybrid_layers.py",
         "test_gated_delta.py",
+        "test_hybrid_engine.py",
     }
 )
 

@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints (Qwen2, Qwen3, Llama-3, Qwen3-MoE) written by transformers, for parity tests."""
+"""Tiny random HF checkpoints (Qwen2, Qwen3, Llama-3, Qwen3-MoE, Qwen2-MoE) written by transformers, for parity
+tests."""
 
 from __future__ import annotations
 
@@ -57,6 +58,20 @@ VARIANTS = {
             moe_intermediate_size=16,
             norm_topk_prob=True,
             tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen2-MoE: a gated shared expert beside the routed ones, every second layer sparse, q/k/v biases
+    "qwen2moe-shared": (
+        "Qwen2MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=40,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
         ),
     ),
 }

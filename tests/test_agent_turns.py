@@ -78,17 +78,26 @@ def test_llama3_calls_are_parsed():
 
 def test_requests_are_checked_at_the_boundary():
     base = SamplingParams(temperature=1.0, max_new_tokens=8)
+    user = [{"role": "user", "content": "x"}]
     with pytest.raises(RequestError, match="temperature"):
-        chat_request({"messages": [{"role": "user", "content": "x"}], "temperature": 0.5}, base, True)
+        chat_request({"messages": user, "temperature": 0.5}, base, True, max_n=64)
     with pytest.raises(RequestError, match="role"):
-        chat_request({"messages": [{"role": "robot", "content": "x"}]}, base, True)
+        chat_request({"messages": [{"role": "robot", "content": "x"}]}, base, True, max_n=64)
     with pytest.raises(RequestError, match="tool_choice"):
         tools = [{"type": "function", "function": {"name": "calculator"}}]
-        chat_request({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": 3}, base, True)
+        chat_request({"messages": user, "tools": tools, "tool_choice": 3}, base, True, max_n=64)
+    with pytest.raises(RequestError, match=r"^n: .*\[1, 4\] \(rollout.workflow.agent.max_n\)"):
+        chat_request({"messages": user, "n": 5}, base, True, max_n=4)
+    with pytest.raises(RequestError, match=r"^tools\[1\].type: got 'web_search'"):
+        tools = [{"type": "function", "function": {"name": "a"}}, {"type": "web_search"}]
+        chat_request({"messages": user, "tools": tools}, base, True, max_n=64)
+    with pytest.raises(RequestError, match=r"^tools\[0\].function"):  # Anthropic's tool shape on the OpenAI route
+        chat_request({"messages": user, "tools": [{"name": "a", "input_schema": {}}]}, base, True, max_n=64)
     request = chat_request(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3, "stop": "x"},
         base,
         True,
+        max_n=64,
     )
     assert request.messages == [{"role": "user", "content": "hi"}]
     assert request.sampling.max_new_tokens == 3 and request.sampling.stop_strings == ("x",)
@@ -120,7 +129,7 @@ def _recorded(tokenizer, history, reply_text):
 
 def _next_turn(history, reply_text, *new):
     messages = [*history, {"role": "assistant", "content": reply_text}, *new]
-    return chat_request({"messages": messages}, SamplingParams(), True)
+    return chat_request({"messages": messages}, SamplingParams(), True, max_n=64)
 
 
 def test_a_template_that_keeps_history_continues_the_recorded_ids(tokenizers):

@@ -1,5 +1,7 @@
 """Rollout controller: keeps generating within the staleness bound, never leaks capacity, stops cleanly."""
 
+import asyncio
+import collections
 import threading
 import time
 
@@ -14,6 +16,7 @@ from areal_jax.models.tokenizer import CharTokenizer
 from areal_jax.rewards.synthetic import ArithmeticTaskConfig, arithmetic_reward, make_problems
 from areal_jax.rollout.controller import RolloutController
 from areal_jax.rollout.environments import SyntheticRewardFn, arithmetic_prompt_record
+from areal_jax.rollout.failures import ReissueGroup
 from areal_jax.rollout.staleness import Admission, StalenessConfig, StalenessManager
 from areal_jax.rollout.workflow import RLVRWorkflow, WorkflowConfig
 
@@ -100,3 +103,54 @@ def test_failing_sink_rejects_without_leaking_capacity():
     snap = staleness.snapshot()
     assert snap.rejected == 2 and snap.accepted == 2 and snap.running == 0
     assert controller.stats.failed == 2
+
+
+def test_a_group_failed_with_reissue_runs_again_under_its_id_even_after_the_tasks_ran_out():
+    """Kind 'external': a group whose outside agents died is counted as a failure and issued again, same group id;
+    the controller waits for it before it reports the tasks exhausted."""
+    ran_out = threading.Event()
+    attempts: collections.Counter[int] = collections.Counter()
+
+    def tasks():
+        yield from enumerate("abc")
+        ran_out.set()
+
+    class LastGroupFailsOnce:
+        async def run(self, generator, task, group_id):
+            attempts[group_id] += 1
+            if group_id == 2 and attempts[group_id] == 1:
+                await asyncio.to_thread(ran_out.wait, 60)  # fails once the task source has run out
+                raise ReissueGroup("its agents died")
+            return [(group_id, task)]
+
+    staleness = StalenessManager(StalenessConfig(max_head_offpolicyness=4, batch_prompts=2, max_concurrent=4))
+    received = []
+    controller = RolloutController(None, LastGroupFailsOnce(), tasks(), staleness, received.append).start()
+    try:
+        assert controller.exhausted.wait(60)
+    finally:
+        controller.stop()
+    assert sorted(received) == [[(0, "a")], [(1, "b")], [(2, "c")]] and attempts == {0: 1, 1: 1, 2: 2}
+    assert (controller.stats.failed, controller.stats.reissued, controller.stats.accepted) == (1, 1, 3)
+    assert staleness.snapshot().running == 0
+
+
+def test_stop_ends_the_wait_for_a_group_that_never_finishes_after_the_tasks_ran_out():
+    """An external group whose episodes nobody runs: stop() cancels it instead of waiting for it."""
+    started, cancelled = threading.Event(), threading.Event()
+
+    class NeverFinishes:
+        async def run(self, generator, task, group_id):
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+
+    staleness = StalenessManager(StalenessConfig(max_head_offpolicyness=4, batch_prompts=2, max_concurrent=4))
+    controller = RolloutController(None, NeverFinishes(), iter([(0, "a")]), staleness, lambda t: None).start()
+    assert started.wait(60)
+    begun = time.monotonic()
+    controller.stop()
+    assert cancelled.is_set() and time.monotonic() - begun < 10 and not controller.exhausted.is_set()
+    assert controller.stats.accepted == 0 and staleness.snapshot().running == 0

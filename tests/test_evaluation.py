@@ -21,7 +21,13 @@ from areal_jax.data.datasets import DatasetConfig
 from areal_jax.eval_config import EvalConfig
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.generator import Generator
-from areal_jax.jobs.evaluate import eval_records, resolve_checkpoint, restore_trained_params
+from areal_jax.jobs.evaluate import (
+    CheckpointSource,
+    eval_records,
+    resolve_checkpoint,
+    restore_trained_params,
+    run_eval,
+)
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.hf_io import save_hf_checkpoint
 from areal_jax.rollout.evaluation import evaluate, is_correct
@@ -169,6 +175,17 @@ def test_eval_records_read_files_or_the_heldout_split(setup, tmp_path):
         )
     with pytest.raises(ConfigError, match=r"eval\.files: is empty and dataset\.heldout is 0"):
         eval_records(cfg.replace(dataset=cfg.dataset.replace(heldout=0)), workflow)
+
+
+def test_an_external_workflow_is_refused_naming_the_key(tmp_path):
+    """Outside agents bring their own episodes: `eval` has no agent to run, and says so before loading weights."""
+    cfg = load_experiment(
+        "configs/train_cpu.yaml", ["rollout.workflow.kind=external", "dataset.heldout=0", "eval.every_steps=0"]
+    )
+    source = CheckpointSource(tmp_path, hf_dir=None, run_dir=tmp_path, step=None)
+    with pytest.raises(ConfigError, match=r"rollout\.workflow\.kind: is external"):
+        run_eval(cfg, source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_rejects_an_unknown_checkpoint_with_one_line(tmp_path, capsys):

@@ -232,7 +232,18 @@ def test_config_checks():
     assert HybridConfig(layer_types=(L, L, L, F) * 3).period() == 4
 
 
-def test_rl_training_of_a_qwen3_5_model_is_refused_before_any_weights_load(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "override,key,reason",
+    [
+        ("rollout.engine.kv_cache=paged", "rollout.engine.kv_cache", "recurrent state per slot"),
+        ("model.lora.rank=4", "model.lora", "not supported for family 'qwen3_5'"),
+    ],
+    ids=["paged-cache", "lora"],
+)
+def test_what_rl_on_a_qwen3_5_model_cannot_do_is_refused_before_any_weights_load(
+    tmp_path, capsys, override, key, reason
+):
+    """RL on a qwen3_5 policy runs (tests/test_hybrid_run.py); a paged KV cache and LoRA are refused by key."""
     from areal_jax.cli import main
     from areal_jax.exit_codes import EXIT_USER_ERROR
 
@@ -241,6 +252,6 @@ def test_rl_training_of_a_qwen3_5_model_is_refused_before_any_weights_load(tmp_p
         "model.qkv_bias=false",
         "model.hybrid.layer_types=[linear_attention, full_attention]",
     ]
-    assert main(["train", "configs/train_cpu.yaml", *hybrid, f"output_dir={tmp_path}"]) == EXIT_USER_ERROR
+    assert main(["train", "configs/train_cpu.yaml", *hybrid, override, f"output_dir={tmp_path}"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
-    assert "model.family" in err and "cannot serve its Gated DeltaNet layers yet" in err
+    assert key in err and reason in err

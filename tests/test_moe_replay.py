@@ -147,12 +147,11 @@ def test_replay_without_recorded_routing_is_refused():
         group_id=0,
         sample_index=0,
     )
-    config = CONFIG.replace(moe=TrainerMoEConfig(routing_replay="rollout"))
     with pytest.raises(ValueError, match="has no routing"):
-        build_batch([t], config)
-    assert build_batch([t], CONFIG).minibatches[0].routing is None
+        build_batch([t], CONFIG, routing_replay=True)
+    assert build_batch([t], CONFIG).minibatches[0].routing is None  # a dense model's trajectory, replay default on
     idle = dataclasses.replace(t, loss_mask=np.zeros(4, np.bool_))  # an aborted sample: nothing trains, no routing
-    assert build_batch([idle], config).minibatches[0].routing is None
+    assert build_batch([idle], CONFIG, routing_replay=True).minibatches[0].routing is None
     assert decode_record(encode_record(t, "w", 0, 0.0))[3].routing is None  # a record without routing reads
 
 

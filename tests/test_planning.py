@@ -14,7 +14,10 @@ import pytest
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.configuration import to_yaml
+from areal_jax.planning.architecture import on_platform
 from areal_jax.planning.calibration import CalibrationError, read_calibration
+from areal_jax.planning.layouts import tiled_elements
+from areal_jax.planning.memory import plan_for_shapes
 from areal_jax.planning.plan import make_plan
 from areal_jax.planning.step_model import Measured, Workload, every_split, fastest, predict, side_rate
 
@@ -202,3 +205,56 @@ def test_the_plan_command(tmp_path, capsys):
         main(["plan", CONFIG, "--calibration", str(tmp_path / "split"), "--devices", "1"])
     assert exit_info.value.code == 2
     assert "a split needs at least 2" in capsys.readouterr().err
+
+
+def test_tpu_tiles_pad_the_dims_that_pad_least():
+    """TPU's 8 x 128 tiles on the two dims that pad least (the layouts XLA:TPU gave these shapes' arguments in
+    `areal-jax compile`'s HLO); other platforms store arrays exact."""
+    assert tiled_elements((512, 32), "tpu") == 512 * 32  # {0,1:T(8,128)}: the vocab in the lanes
+    assert tiled_elements((16, 2, 32, 32), "tpu") == 16 * 2 * 32 * 128  # a cache segment of head dim 32: 4x
+    assert tiled_elements((24, 896, 2, 9, 64), "tpu") == 24 * 896 * 2 * 9 * 64  # 896 lanes, 64 sublanes
+    assert tiled_elements((16,), "tpu") == 128 and tiled_elements((16, 2), "tpu") == 2 * 128  # T(128), T(2,128)
+    assert tiled_elements((16, 2, 32, 32), "cpu") == 16 * 2 * 32 * 32
+
+
+def test_tpu_plan_counts_gradient_buffers_and_one_engine_program_at_a_time():
+    """On TPU: one gradient-sized buffer for one micro-batch (clipped in place), three for several (accumulator,
+    micro-batch gradient, clipped output); the engine's larger of prefill and decode step, not their sum; no
+    flat overhead line; the CPU plan unchanged."""
+    tiny = ["model.hidden_size=128", "model.intermediate_size=320", "model.num_layers=2", "model.vocab_size=512"]
+    shape = {"data": 1, "fsdp": 4, "tensor": 1}
+
+    def lines(overrides: list[str], platform: str) -> dict[str, dict[str, int]]:
+        cfg = load_experiment(CONFIG, [*tiny, "model.max_position_embeddings=128", *overrides])
+        plan = plan_for_shapes(cfg, on_platform(cfg.model, platform), platform, shape, shape)
+        return {side.side: {item.name.split(" (")[0]: item.bytes for item in side.items} for side in plan.sides}
+
+    one = lines(["trainer.packing.rows=8", "rollout.staleness.batch_prompts=1"], "tpu")
+    several = lines(["trainer.packing.rows=8", "rollout.staleness.batch_prompts=8"], "tpu")
+    assert one["trainer"]["gradients"] * 3 == several["trainer"]["gradients"] == 3 * one["trainer"]["Adam moments"] // 2
+    assert "compiled code" in one["trainer"] and not any(name.startswith("XLA") for name in one["trainer"])
+    engine = one["inference"]
+    assert ("prefill temporaries" in engine) != ("decode logits and sampling" in engine)
+    cpu = lines(["trainer.packing.rows=8", "rollout.staleness.batch_prompts=1"], "cpu")
+    assert "XLA temporaries and transient copies" in cpu["trainer"] and "compiled code" not in cpu["trainer"]
+    assert {"prefill temporaries", "decode logits and sampling"} <= set(cpu["inference"])
+
+
+@pytest.mark.parametrize(
+    ("config", "hardware"),
+    [
+        ("qwen3_30b_a3b_deepscaler.yaml", ["--topology", "v5p-64"]),
+        ("qwen3_30b_a3b_deepscaler_gpu.yaml", ["--devices", "32", "--device-memory-gib", "80"]),
+    ],
+)
+def test_the_30b_mixture_is_refused_for_its_experts_dispatch(config, hardware, capsys):
+    """Qwen3-30B-A3B's sizing study (configs/sizing/): each chip gathers its expert group's 16 x 32,768 tokens to
+    dispatch them, which XLA:TPU's compiler measured at 160.93 GB a chip; the plan counts it and refuses the run
+    (it fits once the dispatch moves fewer rows: docs/moe.md)."""
+    sizing = Path("configs/sizing")
+    args = ["plan", "--memory", str(sizing / config), *hardware, f"hf_checkpoint={sizing / 'qwen3_30b_a3b'}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "trainer.packing.token_budget" in err and "largest: activations (32768 tokens, remat full)" in err
+    needed = float(err.split("the run needs about ")[1].split(" GiB")[0])
+    assert 140 < needed < 175, needed  # the compiler's 149.9 GiB; the rollout side alone would fit

@@ -18,6 +18,8 @@ _PATHS = (
     (re.compile(r"(?:/sessions/(?P<session>[^/]+))?/v1/chat/completions"), "POST", "chat"),
     (re.compile(r"(?:/sessions/(?P<session>[^/]+))?/v1/completions"), "POST", "completion"),
     (re.compile(r"(?:/sessions/(?P<session>[^/]+))?/v1/models"), "GET", "models"),
+    (re.compile(r"(?:/sessions/(?P<session>[^/]+))?/v1/responses"), "POST", "responses"),
+    (re.compile(r"(?:/sessions/(?P<session>[^/]+))?/v1/messages"), "POST", "messages"),
     (re.compile(r"/sessions/(?P<session>[^/]+)/end"), "POST", "end"),
 )
 

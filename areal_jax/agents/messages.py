@@ -88,9 +88,13 @@ def tools_key(tools: Any) -> str:
     """The tool list of a request, checked (a list of {type: function, function: {name, ...}}) and keyed."""
     if tools is None:
         return "null"
-    if not isinstance(tools, list) or not all(
-        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and isinstance(t["function"].get("name"), str)
-        for t in tools
-    ):
+    if not isinstance(tools, list):
         raise RequestError(f"tools: expected a list of {{type: function, function: {{name, ...}}}}, got {tools!r}")
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "function") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            raise RequestError(f"tools[{i}].type: got {kind!r}; the proxy takes only 'function' tools")
+        function = tool.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RequestError(f"tools[{i}].function: expected {{name, parameters?}}, got {function!r}")
     return json.dumps(tools, sort_keys=True)

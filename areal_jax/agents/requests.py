@@ -12,8 +12,6 @@ from areal_jax.agents import messages as msgs
 from areal_jax.agents.messages import RequestError
 from areal_jax.inference.sampling import SamplingParams
 
-MAX_N = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class ChatRequest:
@@ -35,7 +33,8 @@ class CompletionRequest:
     sampling: SamplingParams
 
 
-def chat_request(body: Any, base: SamplingParams, fixed_temperature: bool) -> ChatRequest:
+def chat_request(body: Any, base: SamplingParams, fixed_temperature: bool, *, max_n: int) -> ChatRequest:
+    """A chat body checked; `max_n`: the most samples one request may ask for (`agent.max_n`)."""
     body = _object(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -51,13 +50,13 @@ def chat_request(body: Any, base: SamplingParams, fixed_temperature: bool) -> Ch
         tools_key=key,
         tool_choice=choice,
         forced_tool=forced,
-        n=_n(body),
+        n=_n(body, max_n),
         sampling=turn_sampling(body, base, fixed_temperature),
         stream=bool(body.get("stream", False)),
     )
 
 
-def completion_request(body: Any, base: SamplingParams, fixed_temperature: bool) -> CompletionRequest:
+def completion_request(body: Any, base: SamplingParams, fixed_temperature: bool, *, max_n: int) -> CompletionRequest:
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -67,7 +66,7 @@ def completion_request(body: Any, base: SamplingParams, fixed_temperature: bool)
         raise RequestError(f"prompt: expected one non-empty string or one list of token ids, got {prompt!r}")
     if body.get("stream"):
         raise RequestError("stream: /v1/completions does not stream; use /v1/chat/completions")
-    return CompletionRequest(prompt=prompt, n=_n(body), sampling=turn_sampling(body, base, fixed_temperature))
+    return CompletionRequest(prompt=prompt, n=_n(body, max_n), sampling=turn_sampling(body, base, fixed_temperature))
 
 
 def turn_sampling(body: Mapping[str, Any], base: SamplingParams, fixed_temperature: bool) -> SamplingParams:
@@ -114,12 +113,12 @@ def _object(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def _n(body: Mapping[str, Any]) -> int:
+def _n(body: Mapping[str, Any], max_n: int) -> int:
     n = body.get("n", 1)
     if n is None:
         return 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-        raise RequestError(f"n: expected an integer in [1, {MAX_N}], got {n!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_n:
+        raise RequestError(f"n: expected an integer in [1, {max_n}] (rollout.workflow.agent.max_n), got {n!r}")
     return n
 
 

@@ -3,40 +3,33 @@ episode against the proxy with an `openai.AsyncOpenAI` client whose base URL is 
 agent runs on the proxy's event loop; its client reaches the proxy in the process (`agent.transport: local`)
 or over HTTP.
 
-One task item gives a group of `n_samples` episodes run concurrently. An episode's trajectory is the sequence
-the proxy recorded for it (the exact ids, behaviour log-probs and versions of every turn); its reward is the
-agent's return value, or, when that is None, `reward.kind`'s function of the last turn's text. An episode
-recorded as several sequences (the template rule 'split', branches) trains the sequence that ended last
-under `agent.extra_sequences: train_last` (the others are counted in its metadata), every sequence under 'all'
-(the episode's reward on each, one advantage per episode: `Trajectory.num_sequences`), or fails under 'fail'.
-An agent that raises, times out or makes no request fails its group, which counts against
-`rollout.failures`; its requests still generating are aborted, and other groups go on.
+One task item gives a group of `n_samples` episodes run concurrently; their trajectories and rewards as
+`episodes.py` makes them, the reward the agent's return value (None: `reward.kind` scores the last turn). An
+agent that raises, times out or makes no request fails its group, which counts against `rollout.failures`; its
+requests still generating are aborted, and other groups go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import math
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import openai
 
-from areal_jax.agents.admission import EpisodeAdmission
+from areal_jax.agents.episodes import ProxyWorkflow
 from areal_jax.agents.local_transport import LocalTransport
 from areal_jax.agents.server import AgentProxy
-from areal_jax.agents.sessions import TokenSequence
 from areal_jax.configuration import ConfigError
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.generator import Generator
 from areal_jax.models.tokenizer import Tokenizer
 from areal_jax.rollout.environments import RewardFn
 from areal_jax.rollout.rewards import import_user_function
-from areal_jax.rollout.workflow import RolloutWorkflow, TaskItem, WorkflowConfig, gather_episodes
+from areal_jax.rollout.workflow import TaskItem, WorkflowConfig, gather_episodes
 
 Agent = Callable[[openai.AsyncOpenAI, Any], Awaitable[float | None]]
 
@@ -51,7 +44,7 @@ def import_agent(spec: str) -> Agent:
     return fn
 
 
-class AgentWorkflow(RolloutWorkflow):
+class AgentWorkflow(ProxyWorkflow):
     """Episodes of the user's agent through the proxy (see the module docstring)."""
 
     def __init__(
@@ -66,29 +59,13 @@ class AgentWorkflow(RolloutWorkflow):
                 "rollout.workflow.agent.function", "is empty; kind 'agent' needs 'package.module:function'"
             )
         self.agent = import_agent(config.agent.function)
-        super().__init__(config, tokenizer, executor)
-        self.reward_fn = reward_fn
-        self._proxy: AgentProxy | None = None
+        super().__init__(config, tokenizer, reward_fn, executor)
         self._owns_proxy = False
         self._source: AgentWorkflow | None = None  # a resampled copy's original, whose proxy it uses
         # per proxy loop, touched on that loop only (the agents run there)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, openai.AsyncOpenAI] = (
             weakref.WeakKeyDictionary()
         )
-
-    @contextlib.contextmanager
-    def serving(
-        self, generator: Generator, admission: EpisodeAdmission | None = None, port: int | None = None
-    ) -> Iterator[AgentProxy]:
-        """The proxy on `generator` while the context lasts (the rollout side starts it so)."""
-        with AgentProxy(
-            generator, self.tokenizer, self.config.agent, self.sampling, admission=admission, port=port
-        ) as proxy:
-            self._proxy = proxy
-            try:
-                yield proxy
-            finally:
-                self._proxy = None
 
     def resampled(self, config: WorkflowConfig) -> AgentWorkflow:
         """A copy running `config` (the held-out evaluation's) on this workflow's proxy: its episodes' turns
@@ -153,54 +130,4 @@ class AgentWorkflow(RolloutWorkflow):
                 f"{where}: the agent ran past rollout.workflow.agent.episode_timeout_s={timeout}"
             ) from None
         agent_s = time.perf_counter() - start
-        if not sequences:
-            raise ValueError(f"{where}: the agent returned {value!r} without asking the model anything")
-        extra = self.config.agent.extra_sequences
-        if len(sequences) > 1 and extra == "fail":
-            raise ValueError(
-                f"{where}: the episode was recorded as {len(sequences)} sequences (rollout.workflow.agent."
-                "extra_sequences='fail')"
-            )
-        last = sequences[-1]
-        raw, components, reward_s = await self._reward(value, last, task, where)
-        reward, train, meta = self._outcome(last.finish_reason, raw)  # the episode's end decides for all
-        trained = sequences if extra == "all" else [last]
-        timings = {"agent": agent_s, "reward": reward_s, "total": time.perf_counter() - start}
-        untrained = sum(len(s.ids) for s in sequences) - sum(len(s.ids) for s in trained)
-        return [
-            seq.trajectory(
-                reward,
-                train,
-                prompt_id=task.id,
-                group_id=group_id,
-                sample_index=index,
-                sequence_index=k,
-                num_sequences=len(trained),
-                reward_components=components,
-                timings=timings,
-                metadata={
-                    **meta,
-                    "num_interruptions": seq.interruptions,
-                    "num_turns": seq.turns,
-                    "template_divergences": seq.divergences,
-                    "sequences": len(sequences),
-                    "untrained_sequence_tokens": untrained,
-                },
-            )
-            for k, seq in enumerate(trained)
-        ]
-
-    async def _reward(
-        self, value: Any, seq: TokenSequence, task: TaskItem, where: str
-    ) -> tuple[float, dict[str, float], float]:
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"{where}: the agent returned {value!r}; expected a finite number or None")
-            return float(value), {}, 0.0
-        text = self.tokenizer.decode(seq.produced, skip_special_tokens=True)
-        scored, seconds = await self._offload(self.reward_fn, text, task)
-        if not (isinstance(scored, tuple) and len(scored) == 2 and isinstance(scored[1], dict)):
-            raise ValueError(f"{where}: reward function returned {scored!r}; expected (reward, components dict)")
-        if not math.isfinite(float(scored[0])):
-            raise ValueError(f"{where}: reward {scored[0]!r} is not a finite number")
-        return float(scored[0]), {str(k): float(v) for k, v in scored[1].items()}, seconds
+        return await self.episode_trajectories(value, sequences, task, group_id, index, {"agent": agent_s}, start)

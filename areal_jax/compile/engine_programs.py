@@ -21,6 +21,7 @@ from areal_jax.compile.programs import (
     ProgramSpec,
     compile_program,
     compile_with_outputs,
+    laid_out_bytes,
     per_chip_bytes,
 )
 from areal_jax.config import ExperimentConfig
@@ -57,13 +58,22 @@ class EngineOnMesh:
                 )[1]
             self.decode_state = jax.eval_shape(engine._init_decode_state)  # with the jit's out_shardings
 
-    def resident_lines(self) -> tuple[tuple[str, int], ...]:
-        """What a chip holds between calls by the compiler's shardings: weights, layer copies, decode state."""
-        lines = [("engine weights", per_chip_bytes(self.params))]
+    def resident_lines(self, decode: CompiledProgram | None = None) -> tuple[tuple[str, int], ...]:
+        """What a chip holds between calls by the compiler's shardings: weights, layer copies, decode state.
+        With `decode` (a compiled decode step, whose arguments they all are), in the layouts it chose (TPU pads
+        each shard to its tiles: a cache of head dim 64 takes twice its bytes); else the arrays' own bytes."""
+
+        def size(arg: int, tree: Any, part: Any = None) -> int:
+            if decode is None:
+                return per_chip_bytes(tree)
+            formats = decode.formats[arg] if part is None else part(decode.formats[arg])
+            return laid_out_bytes(tree, formats)
+
+        lines = [("engine weights", size(0, self.params))]
         if self.layers is not None:
-            lines.append(("per-layer weight copies", per_chip_bytes(self.layers)))
-        cache = per_chip_bytes(self.decode_state.cache)
-        lines += [("KV cache", cache), ("decode state besides the cache", per_chip_bytes(self.decode_state) - cache)]
+            lines.append(("per-layer weight copies", size(1, self.layers)))
+        cache = size(2, self.decode_state.cache, lambda formats: formats.cache)
+        lines += [("KV cache", cache), ("decode state besides the cache", size(2, self.decode_state) - cache)]
         return tuple(lines)
 
     def compile(self, every_bucket: bool = False) -> list[CompiledProgram]:
@@ -115,9 +125,11 @@ class EngineOnMesh:
                 updates = _host(engine._no_page_updates.shape, np.int32)
                 pages = pages_for(bucket, config.page_size)
                 jitted, args = engine._generate_paged, (self.params, self.layers, self.decode_state, updates, pages)
+                static = (4,)
             else:
                 attend = None if bucket == config.max_length else bucket
                 jitted, args = engine._generate, (self.params, self.layers, self.decode_state, attend)
+                static = (3,)
             cache = per_chip_bytes(self.decode_state.cache) * bucket // config.max_length
             slots = config.max_slots
             decode = self._spec(
@@ -128,6 +140,7 @@ class EngineOnMesh:
                 slots,
                 model.matmul_flops_per_token(bucket) * slots,
                 weight_bytes + cache,
+                static,
             )
             compiled.append(compile_program(decode))
         return compiled
@@ -141,5 +154,6 @@ class EngineOnMesh:
         tokens: int = 0,
         flops: float = 0.0,
         hbm: float = 0.0,
+        static: tuple[int, ...] = (),
     ) -> ProgramSpec:
-        return ProgramSpec(name, jitted, args, resident, tokens, flops, hbm, lambda: jax.set_mesh(self.mesh))
+        return ProgramSpec(name, jitted, args, resident, tokens, flops, hbm, static, lambda: jax.set_mesh(self.mesh))

@@ -2,7 +2,8 @@
 HLO text, each counted as often as it runs (a `while` body's once per trip: XLA's known trip count).
 
 Legend: a collective's bytes are its result's (per chip): an all-gather's gathered array, an all-reduce's
-reduced one, a reduce-scatter's shard.
+reduced one, a reduce-scatter's shard. XLA:TPU writes a reduce-scatter as an `all-reduce-scatter` fusion (an
+all-reduce whose result each partition slices at once): counted as a reduce-scatter of the slices.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|c64)\[([\d,]*)\]")
 _CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=(\{[%\w.\-, ]+\}|%[\w.\-]+)")
 _OP = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_OPCODE = re.compile(r"\s[a-z][\w\-]*\(")
+# XLA:TPU's reduce-scatter: a fusion of an all-reduce and each partition's dynamic slice of its result, in a
+# computation of this name (`fusion(...), kind=kCustom, calls=%all-reduce-scatter.5`); its bytes are the slices'
+_REDUCE_SCATTER_FUSION = "all-reduce-scatter"
 _CONSTANT = re.compile(r"\bs32\[\]\S*\s+constant\((\d+)\)")
 
 
@@ -98,8 +103,22 @@ def collectives(hlo_text: str) -> list[Collective]:
         for line in lines:
             collective = _collective(line)
             if collective is not None and runs.get(name, 0):
-                found.append(Collective(collective[0], collective[1], runs[name]))
+                kind, shapes = collective
+                if name.startswith(_REDUCE_SCATTER_FUSION) and kind == "all-reduce":
+                    kind, shapes = "reduce-scatter", _root_shapes(lines) or shapes
+                found.append(Collective(kind, shapes, runs[name]))
     return found
+
+
+def _root_shapes(lines: list[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The result shapes of a computation's ROOT instruction."""
+    root = next((line for line in lines if line.lstrip().startswith("ROOT ")), "")
+    result = root.split(" = ", 1)[1] if " = " in root else ""
+    op = _OPCODE.search(result)
+    return tuple(
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(result[: op.start() if op else len(result)])
+    )
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:

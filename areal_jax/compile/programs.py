@@ -25,6 +25,7 @@ class ProgramSpec:
     tokens: int  # tokens the program processes per call (all chips), 0 when it processes none
     flops: float  # analytic FLOPs per call, all chips (the model's matmuls and attention)
     hbm_bytes: float  # analytic HBM traffic per call per chip (weights, state; a lower bound)
+    static: tuple[int, ...] = ()  # indices of `args` that are the jit's static arguments
     lower_context: Callable[[], Any] = dataclasses.field(default=lambda: _nothing())
 
 
@@ -34,6 +35,17 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def padded_bytes(shape: tuple[int, ...], itemsize: int, major_to_minor: tuple[int, ...], tiling: Any) -> int:
+    """Bytes of an array of `shape` in a device layout: its first tile pads the most minor dims to its sizes
+    (TPU: `T(8,128)` rounds the minor dim up to 128 and the next to 8), a sub-tile packs narrow dtypes."""
+    dims = list(shape)
+    if tiling:
+        tile = tiling[0]
+        for dim, size in zip(reversed(major_to_minor), reversed(tile), strict=False):
+            dims[dim] = -(-dims[dim] // size) * size
+    return math.prod(dims) * itemsize
 
 
 def per_chip_bytes(tree: Any) -> int:
@@ -59,7 +71,7 @@ class CompiledProgram:
     aliased: int
     temporaries: int
     code: int
-    resident: int  # of `arguments`, the resident state (counted once in the chip's total)
+    resident: int  # of `arguments`, the resident state in the compiler's layouts (counted once in the chip's total)
     xla_flops: float  # XLA's cost analysis (a `while` body counted once)
     xla_bytes: float
     flops: float  # analytic, all chips
@@ -67,6 +79,17 @@ class CompiledProgram:
     tokens: int
     collectives: dict[str, dict[str, int]]
     kernels: dict[str, int]  # Pallas kernels by name: call sites
+    # the layouts the compiler chose for the arguments (`Format`s, arg for arg; None for a static one)
+    formats: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    def report(self) -> dict[str, Any]:
+        """The JSON-friendly fields (all but the layouts)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "formats"}
+
+    def laid_out(self, arg: int, tree: Any) -> int:
+        """Bytes a chip holds of `tree` (argument `arg`, or a part of it of the same tree structure as the
+        matching part of its formats) in the compiler's layouts."""
+        return laid_out_bytes(tree, self.formats[arg])
 
     @property
     def transient(self) -> int:
@@ -93,11 +116,13 @@ def compile_with_outputs(spec: ProgramSpec) -> tuple[CompiledProgram, Any]:
         compiled.output_shardings,
     )
     memory = compiled.memory_analysis()
+    dynamic = iter(compiled.input_formats[0])
+    formats = [None if i in spec.static else next(dynamic) for i in range(len(spec.args))]
     text = compiled.as_text()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per computation
         cost = cost[0] if cost else {}
-    resident = sum(per_chip_bytes(spec.args[i]) for i in spec.resident)
+    resident = sum(laid_out_bytes(spec.args[i], formats[i]) for i in spec.resident)
     program = CompiledProgram(
         name=spec.name,
         seconds=seconds,
@@ -114,5 +139,23 @@ def compile_with_outputs(spec: ProgramSpec) -> tuple[CompiledProgram, Any]:
         tokens=spec.tokens,
         collectives=summarize(collectives(text)),
         kernels=kernels(text),
+        formats=tuple(formats),
     )
     return program, outputs
+
+
+def laid_out_bytes(tree: Any, formats: Any) -> int:
+    """Bytes one chip holds of the abstract pytree `tree` in the layouts the compiler chose for it (`formats`:
+    its `Format`s, tree for tree): each shard padded to its layout's tiles, what `memory_analysis` counts."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if hasattr(leaf, "shape")]
+    laid = jax.tree.leaves(formats, is_leaf=lambda x: hasattr(x, "layout") and hasattr(x, "sharding"))
+    total = 0
+    for leaf, fmt in zip(leaves, laid, strict=True):
+        sharding = fmt.sharding or getattr(leaf, "sharding", None)
+        shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
+        layout = fmt.layout
+        if layout is None:
+            total += math.prod(shape) * leaf.dtype.itemsize
+        else:
+            total += padded_bytes(shape, leaf.dtype.itemsize, tuple(layout.major_to_minor), layout.tiling)
+    return total

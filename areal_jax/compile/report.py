@@ -144,10 +144,13 @@ def compile_for_slice(
             name, where.chip, mesh.devices.size, dict(mesh.shape), tuple(programs), resident, lines, _keys(items)
         )
 
-    trainer = side(
-        "trainer", tpu_slice, trainer_mesh, [compile_program(s) for s in specs], trainer_resident, trainer_plan.items
-    )
-    inference = side(
-        "inference", engine_slice, inference_mesh, engine.compile(every_bucket), engine_resident, inference_plan.items
-    )
+    # what a chip holds between programs, now in the layouts the compiler chose (the early refusals above use
+    # the arrays' own bytes, a lower bound)
+    trainer_compiled = [compile_program(s) for s in specs]
+    trainer_resident = resident_lines(cfg, specs, trainer_compiled)
+    engine_compiled = engine.compile(every_bucket)
+    decode = next(p for p in reversed(engine_compiled) if p.name.startswith("decode"))
+    engine_resident = engine.resident_lines(decode)
+    trainer = side("trainer", tpu_slice, trainer_mesh, trainer_compiled, trainer_resident, trainer_plan.items)
+    inference = side("inference", engine_slice, inference_mesh, engine_compiled, engine_resident, inference_plan.items)
     return CompileReport(tpu_slice, rollout_slice, plan.shared_devices, trainer, inference)

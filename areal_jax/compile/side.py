@@ -70,9 +70,7 @@ class SideReport:
         return {
             "chips": self.chips,
             "mesh": self.mesh_shape,
-            "programs": [
-                dataclasses.asdict(p) | {"transient": p.transient, "roofline": self.roofline(p)} for p in self.programs
-            ],
+            "programs": [p.report() | {"transient": p.transient, "roofline": self.roofline(p)} for p in self.programs],
             "resident": [{"line": name, "bytes": size} for name, size in self.resident_lines],
             "resident_bytes": self.resident,
             "peak_bytes": self.peak,

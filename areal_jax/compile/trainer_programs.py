@@ -13,11 +13,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.compile.programs import ProgramSpec, per_chip_bytes
+from areal_jax.compile.programs import CompiledProgram, ProgramSpec, per_chip_bytes
 from areal_jax.config import ExperimentConfig
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.lora import split_trainable
+from areal_jax.models.moe import routing_dtype, sparse_layer_ids
 from areal_jax.trainer.batching import PackedBatch
 from areal_jax.trainer.train_step import TrainStep, _init_fn
 
@@ -67,6 +68,9 @@ def trainer_programs(cfg: ExperimentConfig, model: ModelConfig, mesh: Mesh) -> l
             for field in PackedBatch._fields
         )
     )
+    if model.moe is not None:  # the rollout's experts of every input token, [M, B, L, Ym, K] (`PackedBatch.routing`)
+        routed = (*shape, len(sparse_layer_ids(model)), model.moe.experts_per_token)
+        batch = batch._replace(routing=jax.ShapeDtypeStruct(routed, routing_dtype(model), sharding=step.batch_sharding))
     logp = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=step.batch_sharding)
     replicated = NamedSharding(mesh, PartitionSpec())
     version = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
@@ -95,6 +99,7 @@ def trainer_programs(cfg: ExperimentConfig, model: ModelConfig, mesh: Mesh) -> l
                 tokens,
                 forward,
                 weight_reads,
+                static=(0, 1),
             )
         )
     specs.append(
@@ -106,6 +111,7 @@ def trainer_programs(cfg: ExperimentConfig, model: ModelConfig, mesh: Mesh) -> l
             tokens,
             forward * backward_passes,
             weight_reads * (backward_passes - 1) + trained * param_bytes / chips,
+            static=(0,),
         )
     )
     specs.append(
@@ -118,19 +124,31 @@ def trainer_programs(cfg: ExperimentConfig, model: ModelConfig, mesh: Mesh) -> l
             12.0 * trained,
             # read params, gradient, two moments; write params and moments
             7 * per_chip_bytes(abstract_params) / max(1, all_params / trained),
+            static=(0,),
         )
     )
     return specs
 
 
-def resident_lines(cfg: ExperimentConfig, specs: list[ProgramSpec]) -> tuple[tuple[str, int], ...]:
+def resident_lines(
+    cfg: ExperimentConfig, specs: list[ProgramSpec], compiled: list[CompiledProgram] | None = None
+) -> tuple[tuple[str, int], ...]:
     """Bytes per chip held between programs: params, frozen base and optimizer state (the apply program's
-    resident arguments), and the reference policy's params when a KL term needs them."""
+    resident arguments), and the reference policy's params when a KL term needs them. With `compiled` (the
+    specs' programs), in the layouts the compiler chose (TPU pads each shard to its tiles); else the arrays'
+    own bytes."""
     apply = next(spec for spec in specs if spec.name == "AdamW apply")
     params, opt_state = apply.args[1], apply.args[2]
     gradient = next(spec for spec in specs if spec.name.startswith("gradient"))
-    weights = per_chip_bytes(params) + per_chip_bytes(gradient.args[2])  # trained and frozen
-    lines = [("params", weights), ("optimizer state", per_chip_bytes(opt_state))]
+    frozen = gradient.args[2]
+    if compiled is None:
+        weights, state = per_chip_bytes(params) + per_chip_bytes(frozen), per_chip_bytes(opt_state)
+    else:
+        by_name = {program.name: program for program in compiled}
+        applied, graded = by_name[apply.name], by_name[gradient.name]
+        weights = applied.laid_out(1, params) + graded.laid_out(2, frozen)  # trained and frozen
+        state = applied.laid_out(2, opt_state)
+    lines = [("params", weights), ("optimizer state", state)]
     if cfg.trainer.uses_reference:
         lines.append(("reference params", weights))
     return tuple(lines)

@@ -13,10 +13,11 @@
 With a mixture of experts, prefill also returns every prompt position's experts and `generate` those of each
 token it feeds ([Ym, K] per token, Ym sparse layers, `routing_dtype`): what routing replay trains with.
 
-The KV cache is dense (`kv_cache: dense`: [slots, max_length] per layer, whatever the tokens in flight)
-or paged (`kv_cache: paged`, `paged.py`): pages of `page_size` tokens from one pool, a page table per
-slot. A paged engine's `insert_batch` takes each row's pages and its `generate` the step's page-table
-changes; the caller (the generator) owns the allocator.
+The cache is dense (`kv_cache: dense`: [slots, max_length] per layer, whatever the tokens in flight; for a
+Qwen3.5 model also a recurrent state and convolution window per slot and linear layer: `slot_cache.py`, the
+protocol both kinds of dense cache follow) or paged (attention-only models; `kv_cache: paged`, `paged.py`):
+pages of `page_size` tokens from one pool, a page table per slot. A paged engine's `insert_batch` takes each
+row's pages and its `generate` the step's page-table changes; the caller (the generator) owns the allocator.
 
 The decoder's logits arrive with ids past the model's `vocab_limit` masked, so no slot ever samples
 an id the tokenizer cannot decode. Params are versioned (`VersionedParams`); the version is host-side
@@ -45,8 +46,9 @@ from areal_jax.inference.engine_warmup import compile_programs
 from areal_jax.inference.engine_weights import EngineWeights, VersionedParams
 from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PagedSlots, PrefixEntries, pages_for
 from areal_jax.inference.sampling import SamplingParams, sample_slots
+from areal_jax.inference.slot_cache import SlotCache, cache_shardings, check_cache_layout, empty_cache
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, Decoder, KVCache
+from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -54,20 +56,20 @@ logger = logging.getLogger(__name__)
 
 @flax.struct.dataclass
 class Prefix:
-    """One prefilled prompt: its KV cache (1 row of length Tb), the last prompt token's logits [V] and the
+    """One prefilled prompt: its cache (1 row of length Tb), the last prompt token's logits [V] and the
     length."""
 
-    cache: KVCache | PrefixEntries  # a paged engine's prefill makes `PrefixEntries` (its `insert` refuses them)
+    cache: SlotCache | PrefixEntries  # a paged engine's prefill makes `PrefixEntries` (its `insert` refuses them)
     logits: jax.Array
     length: jax.Array
 
 
 @flax.struct.dataclass
 class PrefixBatch:
-    """Several prefilled prompts of one length bucket: KV cache (B rows of length Tb; a paged engine's
+    """Several prefilled prompts of one length bucket: cache (B rows of length Tb; a paged engine's
     are `PrefixEntries`), logits [B, V], lengths [B]."""
 
-    cache: KVCache | PrefixEntries
+    cache: SlotCache | PrefixEntries
     logits: jax.Array
     lengths: jax.Array
     routing: jax.Array | None = None  # [B, Tb, Ym, K] each position's experts (a mixture of experts; else None)
@@ -77,7 +79,7 @@ class PrefixBatch:
 class DecodeState:
     """Everything a decode step reads and writes, one row per slot."""
 
-    cache: KVCache | PagedKVCache  # dense: S rows of length T; paged: the pools and the page table
+    cache: SlotCache | PagedKVCache  # dense: S rows of length T (`slot_cache.py`); paged: pools and page table
     positions: jax.Array  # [S] where the pending token is written next
     tokens: jax.Array  # [S] the pending (sampled, not yet fed) token
     logprobs: jax.Array  # [S] its behaviour log-prob
@@ -96,15 +98,6 @@ class ResultTokens:
     routing: jax.Array | None = None  # [S, Ym, K] the experts each fed token was routed to (mixture of experts)
 
 
-def cache_shardings(model: ModelConfig, batch: int, length: int, mesh: Mesh) -> KVCache:
-    """Where a cache's arrays live on `mesh` (KV heads split like the attention weights): one sharding for
-    all keys and one for all values, a pytree prefix of any cache of `batch` rows however segmented."""
-    k, h = model.num_kv_heads, model.resolved_head_dim
-    key = NamedSharding(mesh, logical_to_spec(KEY_CACHE_AXES, (batch, k, h, length), mesh))
-    value = NamedSharding(mesh, logical_to_spec(VALUE_CACHE_AXES, (batch, k, length, h), mesh))
-    return KVCache(k=key, v=value)  # type: ignore[arg-type]  # a pytree of shardings, shaped like a KVCache
-
-
 def bucket_for(length: int, buckets: tuple[int, ...]) -> int:
     for size in buckets:
         if length <= size:
@@ -116,6 +109,7 @@ class Engine:
     """Prefill / insert / generate over one model, on an inference mesh (or one device)."""
 
     def __init__(self, model: Decoder, config: EngineConfig, mesh: Mesh | None = None):
+        check_cache_layout(model.config, config.paged)
         self.model_config = model.config
         self.config = config
         self.mesh = mesh
@@ -195,11 +189,11 @@ class Engine:
 
     def _init_decode_state_impl(self) -> DecodeState:
         cfg, s, c = self.model_config, self.config.max_slots, self.config
-        cache: KVCache | PagedKVCache
+        cache: SlotCache | PagedKVCache
         if c.paged:
             cache = PagedKVCache.zeros(cfg, s, c.pool_pages, c.page_size, c.max_pages)
         else:
-            cache = KVCache.zeros(cfg, s, c.max_length, first_segment=self.buckets[0])
+            cache = empty_cache(cfg, s, c.max_length, first_segment=self.buckets[0])
         return DecodeState(
             cache=cache,
             positions=jnp.zeros((s,), jnp.int32),
@@ -363,11 +357,15 @@ class Engine:
     def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
         model = nnx.merge(self.graphdef, state)
         routing = None
-        if self.model_config.moe is None:  # the plain call: a family without experts may override it
-            logits_BxV, k, v = model.prefill_entries(tokens_BxT, lengths_B)
-        else:
+        cache: SlotCache | PrefixEntries
+        if self.model_config.moe is not None:
             logits_BxV, k, v, routing = model.prefill_entries_routed(tokens_BxT, lengths_B)
-        cache = PrefixEntries(k=k, v=v) if self.config.paged else KVCache.from_entries(k, v, self.buckets[0])
+            cache = PrefixEntries(k=k, v=v) if self.config.paged else KVCache.from_entries(k, v, self.buckets[0])
+        elif self.config.paged:
+            logits_BxV, k, v = model.prefill_entries(tokens_BxT, lengths_B)
+            cache = PrefixEntries(k=k, v=v)
+        else:  # the model's own cache: a KVCache, or a hybrid model's HybridCache
+            logits_BxV, cache = model.prefill(tokens_BxT, lengths_B, self.buckets[0])
         return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B, routing=routing)
 
     def _prefill_impl(self, state: nnx.State, tokens_T: jax.Array, length: jax.Array) -> Prefix:
@@ -408,9 +406,9 @@ class Engine:
         def put(target: jax.Array, values: jax.Array) -> jax.Array:
             return target.at[slots_B].set(values, mode="drop")
 
-        cache: KVCache | PagedKVCache
+        cache: SlotCache | PagedKVCache
         if pages_BxW is None:
-            assert isinstance(ds.cache, KVCache) and isinstance(batch.cache, KVCache)  # a dense engine's
+            assert not isinstance(ds.cache, PagedKVCache) and type(batch.cache) is type(ds.cache)  # a dense engine's
             cache = ds.cache.put_rows(batch.cache, slots_B)
         else:
             assert isinstance(ds.cache, PagedKVCache) and isinstance(batch.cache, PrefixEntries)  # a paged engine's
@@ -434,12 +432,13 @@ class Engine:
         # is ignored. Active slots are always below attend_length.
         limit = self.config.max_length if attend_length is None else attend_length
         positions = jnp.minimum(ds.positions, limit - 1)
-        assert isinstance(ds.cache, KVCache)  # a dense engine's
+        assert not isinstance(ds.cache, PagedKVCache)  # a dense engine's
+        cache: Any = ds.cache  # the model's own kind: a KVCache, or a HybridDecoder's HybridCache
         routing = None
         if self.model_config.moe is None:
-            logits_SxV, cache = model.decode_step(ds.tokens, positions, ds.cache, attend_length, layers)
+            logits_SxV, cache = model.decode_step(ds.tokens, positions, cache, attend_length, layers)
         else:
-            logits_SxV, cache, routing = model.decode_step_routed(ds.tokens, positions, ds.cache, attend_length, layers)
+            logits_SxV, cache, routing = model.decode_step_routed(ds.tokens, positions, cache, attend_length, layers)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)

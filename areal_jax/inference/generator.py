@@ -13,9 +13,9 @@ The loop blocks on the inbox while it has nothing to do. Each iteration, between
   1. takes every posted command: registers submitted requests, records aborts, queues weight updates;
   2. finishes aborted requests' samples with reason 'abort';
   3. applies a pending weight update, after handling the step in flight: with `interrupt=True`, every
-     in-flight sample drops its slot (its KV cache was made with the old weights) and is queued first
-     for a re-prefill of prompt + tokens generated so far; with `interrupt=False`, admission stops until
-     in-flight samples finish on the old weights, then the weights are swapped;
+     in-flight sample drops its slot (its cache, keys/values or recurrent state, came from the old weights) and is
+     queued first for a re-prefill of prompt + tokens generated so far; with `interrupt=False`, admission stops
+     until in-flight samples finish on the old weights, then the weights are swapped;
   4. admits queued work into free slots (a new request's n samples share one prefill, and so does a request
      whose prompt is still queued for another: the episodes of an agent group, which open with the same
      prompt each on its own request, are prefilled once; a prefill call's spare rows go to prompts still

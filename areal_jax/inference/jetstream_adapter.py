@@ -40,8 +40,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from areal_jax.inference.engine import DecodeState, Engine, Prefix, VersionedParams, cache_shardings
+from areal_jax.inference.engine import DecodeState, Engine, Prefix, VersionedParams
 from areal_jax.inference.sampling import SamplingParams
+from areal_jax.inference.slot_cache import cache_shardings
 from areal_jax.models.tokenizer import CHAR_SPEC, DEFAULT_ALPHABET, CharTokenizer, HFTokenizer, Tokenizer
 from areal_jax.sharding import logical_to_spec
 

@@ -231,6 +231,12 @@ def run_eval(cfg: ExperimentConfig, source: CheckpointSource, output_dir: str | 
     """`areal-jax eval`: load the checkpoint onto the inference mesh, evaluate it on `cfg.eval`'s prompts
     with `cfg`'s workflow and reward, and write the report into `output_dir`."""
     cfg = eval_experiment(cfg, source)
+    if cfg.rollout.workflow.kind == "external":
+        raise ConfigError(
+            "rollout.workflow.kind",
+            "is external: its episodes come from outside agents, so `eval` has none to run; evaluate the policy "
+            "with rollout.workflow.kind=single_turn (or your agent, with kind agent)",
+        )
     check_eval_length(cfg)
     tokenizer = build_tokenizer(cfg)
     mesh, _ = build_meshes(cfg)

@@ -51,6 +51,10 @@ class RopeScalingConfig(Config):
             )
 
 
+# The families whose feed-forward is a mixture of experts (`model.moe`).
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(Config):
     """The sparse feed-forward of a mixture-of-experts family (HF Qwen3-MoE's fields; `models/moe.py`)."""
@@ -72,6 +76,12 @@ class MoEConfig(Config):
         "load_balancing_loss_func over all sparse layers) added to the policy loss; 0 = off. HF checkpoints carry "
         "0.001 but apply it only with output_router_logits, so it is not read from them",
     )
+    shared_expert_intermediate_size: int | None = option(
+        None,
+        ge=1,
+        doc="SwiGLU width of the shared expert every token also runs through, its output scaled by "
+        "sigmoid(x @ shared_expert_gate) (HF Qwen2-MoE / Qwen3.5-MoE; family qwen2_moe); null = none (Qwen3-MoE)",
+    )
     grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = option(
         "auto",
         doc="the experts' grouped matmul: ragged_dot (portable), megablox (Pallas, TPU); auto: megablox when "
@@ -89,7 +99,9 @@ class MoEConfig(Config):
 class ModelConfig(Config):
     """Architecture and numerics of the decoder."""
 
-    family: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen3_5"] = option("qwen2", doc="HF architecture family")
+    family: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "qwen3_5"] = option(
+        "qwen2", doc="HF architecture family"
+    )
     vocab_size: int = option(256, ge=1, doc="number of token ids")
     vocab_limit: int | None = option(
         None,
@@ -147,7 +159,9 @@ class ModelConfig(Config):
         None,
         doc="low-rank adapters on the projections: only they train and travel to the engines; null = full training",
     )
-    moe: MoEConfig | None = option(None, doc="the sparse layers' experts (family qwen3_moe only); null = dense")
+    moe: MoEConfig | None = option(
+        None, doc="the sparse layers' experts (families qwen3_moe and qwen2_moe only); null = dense"
+    )
     hybrid: HybridConfig | None = option(
         None, doc="the linear- and full-attention layers of family qwen3_5 (set exactly for it; `models/hybrid.py`)"
     )
@@ -164,8 +178,16 @@ class ModelConfig(Config):
             raise ConfigError("head_dim", f"value {self.resolved_head_dim} must be even for RoPE")
         if self.vocab_limit is not None and self.vocab_limit > self.vocab_size:
             raise ConfigError("vocab_limit", f"value {self.vocab_limit} must not exceed vocab_size={self.vocab_size}")
-        if (self.family == "qwen3_moe") != (self.moe is not None):
-            raise ConfigError("moe", f"must be set exactly when family is qwen3_moe (family {self.family!r})")
+        if (self.family in MOE_FAMILIES) != (self.moe is not None):
+            raise ConfigError("moe", f"must be set exactly when family is one of {MOE_FAMILIES} ({self.family!r})")
+        if self.moe is not None and (self.family == "qwen2_moe") != (
+            self.moe.shared_expert_intermediate_size is not None
+        ):
+            raise ConfigError(
+                "moe.shared_expert_intermediate_size",
+                f"must be set exactly when family is qwen2_moe (family {self.family!r}: HF's Qwen2-MoE block always "
+                "has the shared expert, Qwen3-MoE's never)",
+            )
         if self.moe is not None:
             bad = [i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_layers]
             if bad:
@@ -258,8 +280,15 @@ class ModelConfig(Config):
         if self.moe is None:
             return self.num_layers * 3 * d * f
         experts = self.moe.experts_per_token if active else self.moe.num_experts
-        sparse = d * self.moe.num_experts + experts * 3 * d * self.moe.expert_intermediate_size  # router + experts
+        sparse = self._sparse_layer_params(experts)
         return sum(sparse if is_sparse else 3 * d * f for is_sparse in self.sparse_layers)
+
+    def _sparse_layer_params(self, experts: int) -> int:
+        """A sparse layer's router, `experts` experts and the shared expert with its gate."""
+        assert self.moe is not None
+        d, shared = self.hidden_size, self.moe.shared_expert_intermediate_size
+        routed = d * self.moe.num_experts + experts * 3 * d * self.moe.expert_intermediate_size
+        return routed + (3 * d * shared + d if shared is not None else 0)
 
     def _attention_params(self) -> int:
         d, h, n, k = self.hidden_size, self.resolved_head_dim, self.num_heads, self.num_kv_heads
@@ -289,9 +318,8 @@ class ModelConfig(Config):
         moe, layers = self.moe, self.sparse_layers
         if moe is None or all(layers):
             return self.num_params()
-        d = self.hidden_size
-        sparse = d * moe.num_experts + moe.num_experts * 3 * d * moe.expert_intermediate_size
-        dense = 3 * d * self.intermediate_size
+        sparse = self._sparse_layer_params(moe.num_experts)
+        dense = 3 * self.hidden_size * self.intermediate_size
         return self.num_params() + sum(dense if is_sparse else sparse for is_sparse in layers)
 
     def matmul_flops_per_token(self, context_length: int) -> int:

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from areal_jax.models.config import CHECKPOINT_DTYPES, ModelConfig, MoEConfig, RopeScalingConfig
+from areal_jax.models.config import CHECKPOINT_DTYPES, MOE_FAMILIES, ModelConfig, MoEConfig, RopeScalingConfig
 from areal_jax.models.hybrid_io import (
     MULTIMODAL_ARCHITECTURE,
     hybrid_fields_from_hf,
@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
 }
 _FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()} | {MULTIMODAL_ARCHITECTURE: "qwen3_5"}
@@ -84,26 +85,38 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         "rope_theta": float(rope_theta),
         "rope_scaling": rope_scaling,
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "qkv_bias": True if family == "qwen2" else bool(hf.get("attention_bias", False)),
+        "qkv_bias": _qkv_bias(family, hf),
         "qk_norm": family in ("qwen3", "qwen3_moe"),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "max_position_embeddings": int(hf.get("max_position_embeddings", 4096)),
         "export_dtype": checkpoint_dtype(hf),
         "initializer_range": float(hf.get("initializer_range", 0.02)),
     }
-    if family == "qwen3_moe":
-        fields["moe"] = _moe_config_from_hf(hf)
+    if family in MOE_FAMILIES:
+        fields["moe"] = _moe_config_from_hf(hf, family)
     if family == "qwen3_5":
         fields.update(hybrid_fields_from_hf(hf))
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
-def _moe_config_from_hf(hf: Mapping[str, Any]) -> MoEConfig:
+def _qkv_bias(family: str, hf: Mapping[str, Any]) -> bool:
+    if family == "qwen2":
+        return True
+    if family == "qwen2_moe":  # HF Qwen2MoeConfig.qkv_bias, true unless set
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", False))
+
+
+def _moe_config_from_hf(hf: Mapping[str, Any], family: str) -> MoEConfig:
     num_experts = hf.get("num_experts") or hf.get("num_local_experts")
     if not num_experts:
-        raise CheckpointError("a Qwen3-MoE config.json without num_experts (a dense model?) is not supported")
+        raise CheckpointError(f"a {family} config.json without num_experts (a dense model?) is not supported")
+    shared = hf.get("shared_expert_intermediate_size") if family == "qwen2_moe" else None
+    if family == "qwen2_moe" and not shared:
+        raise CheckpointError("a qwen2_moe config.json without shared_expert_intermediate_size is not supported")
     return MoEConfig(
+        shared_expert_intermediate_size=int(shared) if shared else None,
         num_experts=int(num_experts),
         experts_per_token=int(hf["num_experts_per_tok"]),
         expert_intermediate_size=int(hf["moe_intermediate_size"]),
@@ -146,6 +159,8 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     elif cfg.family == "qwen3":
         hf.update(attention_bias=cfg.qkv_bias)
     elif cfg.moe is not None:
+        if cfg.family == "qwen2_moe":
+            hf.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe.shared_expert_intermediate_size)
         hf.update(
             attention_bias=cfg.qkv_bias,
             use_sliding_window=False,

@@ -137,6 +137,13 @@ def tensor_mappings(cfg: ModelConfig) -> dict[PathParts, TensorMapping]:
     layers_of: dict[PathParts, tuple[int, ...] | None] = {}
     if cfg.moe is not None:
         table.update(_expert_tables(cfg.moe.num_experts, layer + "mlp."))
+        if cfg.moe.shared_expert_intermediate_size is not None:  # Qwen2-MoE's shared expert and its [1, D] gate
+            shared = layer + "mlp.shared_expert."
+            shared_gate_up = (shared + "gate_proj.weight", shared + "up_proj.weight")
+            table[("layers", "moe", "shared_gate_up")] = (shared_gate_up, gate_up, True)
+            table[("layers", "moe", "shared_down")] = ((shared + "down_proj.weight",), transpose, True)
+            gate = _one(lambda w: w.reshape(-1), lambda w: w.reshape(1, -1))
+            table[("layers", "moe", "shared_gate")] = ((layer + "mlp.shared_expert_gate.weight",), gate, True)
         sparse = cfg.sparse_layers
         dense_layers = tuple(i for i, is_sparse in enumerate(sparse) if not is_sparse)
         sparse_layers = tuple(i for i, is_sparse in enumerate(sparse) if is_sparse)

@@ -11,8 +11,8 @@ Qwen3.5's RMSNorms scale by (1 + weight), the weight initialised at zero, except
 linear layers (weight, initialised at one). Full attention: q/k RMSNorm, RoPE on the first
 `partial_rotary_factor` of each head, and the output gated by sigmoid of a second query-sized projection.
 
-The engine cannot serve it yet: the `Decoder`'s prefill and decode paths raise. `hybrid_serving.py` has the
-model-level prefill and decode (a recurrent state and convolution window per slot beside the KV cache).
+Serving (`prefill`, `decode_step`: `hybrid_serving.py`) keeps a `HybridCache` per slot: a recurrent state and
+convolution window per linear layer beside the full layers' dense KV cache. There is no paged path.
 
 Legend: B rows, T length, D model width, F MLP width, N query heads, K key/value heads, G = N / K,
 H head dim (full attention), A linear key heads, L linear value heads, E linear key head dim, V linear
@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.models import hybrid_serving
 from areal_jax.models.attention import AttentionFn, get_attention
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import _REMAT_POLICIES, Decoder, KVCache
+from areal_jax.models.decoder import _REMAT_POLICIES, Decoder
 from areal_jax.models.gated_delta import (
     causal_conv1d,
     chunk_gated_delta_rule,
@@ -40,12 +41,13 @@ from areal_jax.models.gated_delta import (
     gated_delta_step,
     resets_from_segments,
 )
+from areal_jax.models.hybrid_serving import HybridCache
 from areal_jax.models.layers import RMSNorm, SwiGLU, _const, _param
 from areal_jax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
-_NOT_SERVED = (
-    "serving a qwen3_5 model (a recurrent state and convolution window per slot beside the KV cache) is not built "
-    "yet (issue 37); the packed-row path (token_logprobs) is"
+_NOT_PAGED = (
+    "a qwen3_5 model is served from a dense cache only (`HybridCache`: a recurrent state per slot, which pages of "
+    "keys and values cannot hold); use rollout.engine.kv_cache: dense"
 )
 
 
@@ -298,7 +300,7 @@ class HybridDecoder(Decoder):
     ) -> tuple[jax.Array, None]:
         """Every layer over packed or right-padded rows: the last layer's output [B, T, D] (not normed)."""
         if keep_kv:
-            raise NotImplementedError(_NOT_SERVED)
+            raise NotImplementedError(_NOT_PAGED)
         cfg, hy = self.config, self.config.hybrid
         assert hy is not None
         period = hy.period()
@@ -330,27 +332,34 @@ class HybridDecoder(Decoder):
         x_BxTxD, _ = jax.lax.scan(step, self._embed(tokens_BxT), stacks, unroll=not cfg.scans_layers())
         return x_BxTxD, None
 
-    def prefill(self, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None) -> NoReturn:
-        raise NotImplementedError(_NOT_SERVED)
+    # -- serving (`hybrid_serving.py`): the same calls as the `Decoder`'s, over a `HybridCache` ---------------
+
+    def prefill(  # type: ignore[override]  # the cache is a HybridCache
+        self, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
+    ) -> tuple[jax.Array, HybridCache]:
+        """Right-padded prompts: fp32 logits [B, V] at each last real token and the cache decoding continues from."""
+        return hybrid_serving.prefill(self, tokens_BxT, lengths_B, first_segment)
 
     def prefill_entries(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> NoReturn:
-        raise NotImplementedError(_NOT_SERVED)
+        raise NotImplementedError(_NOT_PAGED)
 
-    def layer_states(self) -> NoReturn:
-        raise NotImplementedError(_NOT_SERVED)
+    def layer_states(self) -> tuple[nnx.State, ...]:
+        """Each layer's weights as its own arrays, in `layer_types` order, for `decode_step`."""
+        return hybrid_serving.layer_states(self)
 
-    def decode_step(
+    def decode_step(  # type: ignore[override]  # the cache is a HybridCache
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
-        cache: KVCache,
+        cache: HybridCache,
         attend_length: int | None = None,
         layer_states: Sequence[nnx.State] | None = None,
-    ) -> NoReturn:
-        raise NotImplementedError(_NOT_SERVED)
+    ) -> tuple[jax.Array, HybridCache]:
+        """One token per slot: fp32 logits [B, V] and the cache moved on by it (`hybrid_serving.decode_step`)."""
+        return hybrid_serving.decode_step(self, tokens_B, positions_B, cache, attend_length, layer_states)
 
     def decode_step_paged(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(_NOT_SERVED)
+        raise NotImplementedError(_NOT_PAGED)
 
 
 def new_decoder(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:

@@ -1,17 +1,19 @@
-"""Prefill and decode for a `HybridDecoder` (Qwen3.5), model level: the state a slot carries beside the KV cache.
+"""Prefill and decode for a `HybridDecoder` (Qwen3.5): the state a slot carries beside the KV cache.
 
 Each slot holds, per linear-attention layer, its recurrent state [L, E, V] (fp32) and its convolution window
 [W-1, A*J]; the full-attention layers keep keys and values in a `KVCache` of their own (its layer index is the
 full-attention stack's). `prefill` builds both from right-padded prompts (the delta rule chunk by chunk);
-`decode_step` moves them on one token per slot. The engine does not use these yet (issue 37): see the
-report's serving notes for what its insert, abort, prefix sharing and interruption need.
+`decode_step` moves them on one token per slot. `HybridDecoder.prefill` / `decode_step` are these, so the
+engine's dense path serves a hybrid model like any other (`inference/slot_cache.py`: what an insert, an abort
+and a re-prefill after new weights do to each part).
 
 Legend as in `hybrid.py`; S cache length, Y layers of one kind.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import flax.struct
 import jax
@@ -19,38 +21,115 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.models.attention import get_attention
+from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KVCache, mask_padded_vocab
-from areal_jax.models.hybrid import FullAttentionLayer, HybridDecoder, LinearAttentionLayer
 from areal_jax.models.rope import inverse_frequencies, rope_tables
+
+
+class HybridModel(Protocol):
+    """What these functions read of a `hybrid.HybridDecoder` (which imports this module for its serving methods)."""
+
+    config: ModelConfig
+    linear_layers: Any  # each kind's layer stack, None when the pattern has no layer of that kind
+    full_layers: Any
+    final_norm: Any
+
+    def _embed(self, tokens_BxT: jax.Array) -> jax.Array: ...
+
+    def head_kernel(self) -> jax.Array: ...
 
 
 @flax.struct.dataclass
 class HybridCache:
     """What decoding continues from: the full-attention layers' `KVCache` (None without such layers) and, per
-    linear-attention layer, the recurrent state [B, L, E, V] and the convolution window [B, W-1, A*J]."""
+    linear-attention layer, the recurrent state [B, L, E, V] and the convolution window [B, W-1, A*J].
+
+    A slot's row is replaced whole by `put_rows` (an insert): a fresh prefill's state and window, and its keys
+    and values up to the prefix length. So a slot freed by an abort needs nothing cleared, and a sample
+    re-prefilled under new weights starts from a state made by them alone."""
 
     kv: KVCache | None
     state: tuple[jax.Array, ...]
     window: tuple[jax.Array, ...]
 
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, first_segment: int | None = None) -> HybridCache:
+        """An empty cache of `batch` rows, the KV cache `length` long in segments from `first_segment`."""
+        hy = cfg.hybrid
+        assert hy is not None  # a qwen3_5 config
+        full = hy.count("full_attention")
+        kv = None
+        if full:
+            every = KVCache.zeros(cfg, batch, length, first_segment)  # one per layer; the full layers' kept
+            kv = KVCache(k=every.k[:full], v=every.v[:full])
+        lv, e, v = hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim
+        window = (batch, hy.conv_kernel - 1, hy.linear_num_key_heads * hy.group_width)
+        linear = hy.count("linear_attention")
+        return cls(
+            kv=kv,
+            state=tuple(jnp.zeros((batch, lv, e, v), jnp.float32) for _ in range(linear)),
+            window=tuple(jnp.zeros(window, cfg.compute_jnp_dtype) for _ in range(linear)),
+        )
 
-def _unstack(stack: nnx.Module | None) -> list[Any]:
-    """Each layer of a stack as its own module (weights sliced out of the stack); [] for no stack."""
-    if stack is None:
-        return []
-    graphdef, state = nnx.split(stack)
-    count = jax.tree.leaves(state)[0].shape[0]
-    return [nnx.merge(graphdef, jax.tree.map(lambda w, i=i: w[i], state)) for i in range(count)]
+    @property
+    def batch(self) -> int:
+        return (self.state or self.window or self.kv.k[0])[0].shape[0]  # type: ignore[union-attr]
+
+    @property
+    def length(self) -> int:
+        """The KV cache's length (0 without full-attention layers: nothing grows with the context)."""
+        return 0 if self.kv is None else self.kv.length
+
+    def put_rows(self, prefix: HybridCache, rows_B: jax.Array) -> HybridCache:
+        """This cache with `prefix` row b as row rows_B[b]: its state and window, and its keys and values at
+        positions [0, prefix.length); rows out of range are dropped."""
+
+        def put(target: jax.Array, values: jax.Array) -> jax.Array:
+            return target.at[rows_B].set(values.astype(target.dtype), mode="drop")
+
+        assert (self.kv is None) == (prefix.kv is None)  # caches of one model
+        return HybridCache(
+            kv=None if self.kv is None or prefix.kv is None else self.kv.put_rows(prefix.kv, rows_B),
+            state=tuple(map(put, self.state, prefix.state)),
+            window=tuple(map(put, self.window, prefix.window)),
+        )
 
 
-def _rope(model: HybridDecoder, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def layer_states(model: HybridModel) -> tuple[nnx.State, ...]:
+    """Each layer's weights as its own arrays (sliced out of its kind's stack), in `layer_types` order."""
+    hy = model.config.hybrid
+    assert hy is not None
+    stacks = {"linear_attention": model.linear_layers, "full_attention": model.full_layers}
+    seen = dict.fromkeys(stacks, 0)
+    states = []
+    for kind in hy.layer_types:
+        _, stacked = nnx.split(stacks[kind])
+        states.append(jax.tree.map(lambda w, i=seen[kind]: w[i], stacked))
+        seen[kind] += 1
+    return tuple(states)
+
+
+def _layers(model: HybridModel, states: Sequence[nnx.State] | None) -> list[Any]:
+    """Each layer as its own module, in `layer_types` order (from `states`, else sliced from the stacks)."""
+    hy = model.config.hybrid
+    assert hy is not None
+    graphdefs = {
+        kind: nnx.graphdef(stack)
+        for kind, stack in (("linear_attention", model.linear_layers), ("full_attention", model.full_layers))
+        if stack is not None
+    }
+    states = layer_states(model) if states is None else states
+    return [nnx.merge(graphdefs[kind], state) for kind, state in zip(hy.layer_types, states, strict=True)]
+
+
+def _rope(model: HybridModel, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
     cfg = model.config
     assert cfg.hybrid is not None
     rotary = int(cfg.resolved_head_dim * cfg.hybrid.partial_rotary_factor)
     return rope_tables(positions_BxT, inverse_frequencies(rotary, cfg.rope_theta, cfg.rope_scaling))
 
 
-def _logits(model: HybridDecoder, x_BxD: jax.Array) -> jax.Array:
+def _logits(model: HybridModel, x_BxD: jax.Array) -> jax.Array:
     logits_BxV = jnp.einsum(
         "bd,dv->bv", model.final_norm(x_BxD), model.head_kernel(), preferred_element_type=jnp.float32
     )
@@ -58,7 +137,7 @@ def _logits(model: HybridDecoder, x_BxD: jax.Array) -> jax.Array:
 
 
 def prefill(
-    model: HybridDecoder, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
+    model: HybridModel, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
 ) -> tuple[jax.Array, HybridCache]:
     """Right-padded prompts: fp32 logits [B, V] at each last real token and the cache decoding continues from
     (a KV cache of length T cut into segments from `first_segment`; entries past a prompt are garbage, masked)."""
@@ -69,82 +148,83 @@ def prefill(
     segment_ids_BxT = (positions_BxT < lengths_B[:, None]).astype(jnp.int32)
     sin, cos = _rope(model, positions_BxT)
     attend = get_attention(cfg.attention_impl)
-    linear: list[LinearAttentionLayer] = _unstack(model.linear_layers)
-    full: list[FullAttentionLayer] = _unstack(model.full_layers)
     x_BxTxD = model._embed(tokens_BxT)
     states: list[jax.Array] = []
     windows: list[jax.Array] = []
     keys: list[jax.Array] = []
     values: list[jax.Array] = []
-    for kind in cfg.hybrid.layer_types:
+    for kind, layer in zip(cfg.hybrid.layer_types, _layers(model, None), strict=True):
         if kind == "linear_attention":
-            lin = linear[len(states)]
-            mixed_BxTxD, state, window = lin.mixer.prefill(lin.input_norm(x_BxTxD), lengths_B)
+            mixed_BxTxD, state, window = layer.mixer.prefill(layer.input_norm(x_BxTxD), lengths_B)
             states.append(state)
             windows.append(window)
             x_BxTxD = x_BxTxD + mixed_BxTxD
-            x_BxTxD = x_BxTxD + lin.mlp(lin.post_attention_norm(x_BxTxD))
         else:
-            att = full[len(keys)]
-            q, gate, k, v = att.attn.inputs(att.input_norm(x_BxTxD), sin, cos)
+            q, gate, k, v = layer.attn.inputs(layer.input_norm(x_BxTxD), sin, cos)
             keys.append(k)
             values.append(v)
             out = attend(q, k, v, segment_ids=segment_ids_BxT, positions=positions_BxT)
-            x_BxTxD = x_BxTxD + att.attn.output(out, gate)
-            x_BxTxD = x_BxTxD + att.mlp(att.post_attention_norm(x_BxTxD))
+            x_BxTxD = x_BxTxD + layer.attn.output(out, gate)
+        x_BxTxD = x_BxTxD + layer.mlp(layer.post_attention_norm(x_BxTxD))
     last_BxD = jnp.take_along_axis(x_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     kv = KVCache.from_entries(jnp.stack(keys), jnp.stack(values), first_segment) if keys else None
     return _logits(model, last_BxD), HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
 
 
 def decode_step(
-    model: HybridDecoder, tokens_B: jax.Array, positions_B: jax.Array, cache: HybridCache
+    model: HybridModel,
+    tokens_B: jax.Array,
+    positions_B: jax.Array,
+    cache: HybridCache,
+    attend_length: int | None = None,
+    layer_states: Sequence[nnx.State] | None = None,
 ) -> tuple[jax.Array, HybridCache]:
     """Feed one token per slot at `positions_B`: the full-attention layers write its key/value at that position
-    and attend to the cache up to it, the linear ones update the slot's state and window. Returns fp32 logits
-    [B, V] and the cache."""
+    and attend to the cache up to it (only the segments covering `attend_length`, static and > every position,
+    when given), the linear ones update the slot's state and window. `layer_states` (`layer_states()`): each
+    layer's weights, read in place. Returns fp32 logits [B, V] and the cache."""
     cfg = model.config
     assert cfg.hybrid is not None
     sin, cos = _rope(model, positions_B[:, None])
     attend = get_attention(cfg.attention_impl, decode=True)
-    linear: list[LinearAttentionLayer] = _unstack(model.linear_layers)
-    full: list[FullAttentionLayer] = _unstack(model.full_layers)
     rows_B = jnp.arange(tokens_B.shape[0])
-    spans = []
+    spans: list[tuple[int, int]] = []
+    index_B: list[jax.Array] = []
     if cache.kv is not None:
-        spans = list(zip((0, *cache.kv.ends[:-1]), cache.kv.ends, strict=True))
-        valid_BxS = jnp.arange(cache.kv.length)[None, :] <= positions_B[:, None]
+        s = cache.kv.length if attend_length is None else attend_length
+        valid_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
+        # as in `Decoder.decode_step`: the segments holding [0, s), each slot's entry in the one holding its position
+        spans = [(a, min(b, s)) for a, b in zip((0, *cache.kv.ends[:-1]), cache.kv.ends, strict=True) if a < s]
+        outside = cache.kv.length
+        index_B = [jnp.where((positions_B >= a) & (positions_B < b), positions_B - a, outside) for a, b in spans]
     x_Bx1xD = model._embed(tokens_B[:, None])
     states: list[jax.Array] = []
     windows: list[jax.Array] = []
     keys: list[tuple[jax.Array, ...]] = []
     values: list[tuple[jax.Array, ...]] = []
-    for kind in cfg.hybrid.layer_types:
+    for kind, layer in zip(cfg.hybrid.layer_types, _layers(model, layer_states), strict=True):
         if kind == "linear_attention":
             y = len(states)
-            lin = linear[y]
-            mixed, state, window = lin.mixer.decode(lin.input_norm(x_Bx1xD), cache.state[y], cache.window[y])
+            mixed, state, window = layer.mixer.decode(layer.input_norm(x_Bx1xD), cache.state[y], cache.window[y])
             states.append(state)
             windows.append(window)
             x_Bx1xD = x_Bx1xD + mixed
-            x_Bx1xD = x_Bx1xD + lin.mlp(lin.post_attention_norm(x_Bx1xD))
         else:
             assert cache.kv is not None  # a full-attention layer's prefill made it
             y = len(keys)
-            att = full[y]
-            q, gate, k, v = att.attn.inputs(att.input_norm(x_Bx1xD), sin, cos)
+            q, gate, k, v = layer.attn.inputs(layer.input_norm(x_Bx1xD), sin, cos)
             k_segments, v_segments = list(cache.kv.k[y]), list(cache.kv.v[y])
-            for j, (a, end) in enumerate(spans):  # each slot's entry goes to the segment holding its position
-                index_B = jnp.where((positions_B >= a) & (positions_B < end), positions_B - a, cache.kv.length)
+            read_k, read_v = [], []
+            for j, ((a, b), index) in enumerate(zip(spans, index_B, strict=True)):
                 k_segments[j] = (
-                    k_segments[j].at[rows_B, :, :, index_B].set(k[:, 0].astype(k_segments[j].dtype), mode="drop")
+                    k_segments[j].at[rows_B, :, :, index].set(k[:, 0].astype(k_segments[j].dtype), mode="drop")
                 )
-                v_segments[j] = (
-                    v_segments[j].at[rows_B, :, index_B].set(v[:, 0].astype(v_segments[j].dtype), mode="drop")
-                )
+                v_segments[j] = v_segments[j].at[rows_B, :, index].set(v[:, 0].astype(v_segments[j].dtype), mode="drop")
+                read_k.append(k_segments[j][..., : b - a])
+                read_v.append(v_segments[j][:, :, : b - a])
             keys.append(tuple(k_segments))
             values.append(tuple(v_segments))
-            x_Bx1xD = x_Bx1xD + att.attn.output(attend(q, k_segments, v_segments, valid_BxS=valid_BxS), gate)
-            x_Bx1xD = x_Bx1xD + att.mlp(att.post_attention_norm(x_Bx1xD))
+            x_Bx1xD = x_Bx1xD + layer.attn.output(attend(q, read_k, read_v, valid_BxS=valid_BxS), gate)
+        x_Bx1xD = x_Bx1xD + layer.mlp(layer.post_attention_norm(x_Bx1xD))
     kv = KVCache(k=tuple(keys), v=tuple(values)) if keys else None
     return _logits(model, x_Bx1xD[:, 0]), HybridCache(kv=kv, state=tuple(states), window=tuple(windows))

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.pallas.ops.tpu import megablox
+from jax.sharding import AbstractMesh, Mesh
 
-from areal_jax.activation_sharding import mesh_platform
+from areal_jax.activation_sharding import mesh_platform, program_mesh
 from areal_jax.models.config import ModelConfig, MoEConfig
 
 GroupedMatmul = Literal["ragged_dot", "megablox"]
@@ -34,31 +35,41 @@ def grouped_matmul_impl(moe: MoEConfig, platform: str | None = None) -> GroupedM
     return "megablox" if (platform or mesh_platform()) == "tpu" else "ragged_dot"
 
 
-def _megablox(lhs_RxI: jax.Array, rhs_ExIxO: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+def _megablox(
+    lhs_RxI: jax.Array, rhs_GxIxO: jax.Array, group_sizes_E: jax.Array, group_offset: jax.Array | None
+) -> jax.Array:
     """megablox.gmm over rows padded to its row tile; interpreted off TPU (for tests: slow, same numbers)."""
     r, i = lhs_RxI.shape
     tm = min(_MEGABLOX_TILE, -(-r // 8) * 8)
     padded = -(-r // tm) * tm
-    tiling = (tm, min(_MEGABLOX_TILE, i), min(_MEGABLOX_TILE, rhs_ExIxO.shape[2]))
+    tiling = (tm, min(_MEGABLOX_TILE, i), min(_MEGABLOX_TILE, rhs_GxIxO.shape[2]))
     out = megablox.gmm(
         jnp.pad(lhs_RxI, ((0, padded - r), (0, 0))),
-        rhs_ExIxO,
+        rhs_GxIxO,
         group_sizes_E,
         lhs_RxI.dtype,
         tiling,
+        group_offset,
         interpret=mesh_platform() != "tpu",
     )
     return out[:r]
 
 
 def grouped_matmul(
-    lhs_RxI: jax.Array, rhs_ExIxO: jax.Array, group_sizes_E: jax.Array, impl: GroupedMatmul = "ragged_dot"
+    lhs_RxI: jax.Array,
+    rhs_GxIxO: jax.Array,
+    group_sizes_E: jax.Array,
+    impl: GroupedMatmul = "ragged_dot",
+    group_offset: jax.Array | None = None,
 ) -> jax.Array:
-    """[R, O]: rows [start_e, start_e + group_sizes_E[e]) of `lhs_RxI` times `rhs_ExIxO[e]`, for every e in order
-    (the groups cover all R rows)."""
+    """[R, O]: rows [start_e, start_e + group_sizes_E[e]) of `lhs_RxI` times `rhs_GxIxO[e]`, for every e in order
+    (the groups cover all R rows). With `group_offset` (megablox only) `rhs_GxIxO` holds groups
+    group_offset .. group_offset + G - 1 of the E, and the rows of the other groups are zero."""
     if impl == "megablox":
-        return _megablox(lhs_RxI, rhs_ExIxO, group_sizes_E)
-    return jax.lax.ragged_dot(lhs_RxI, rhs_ExIxO, group_sizes_E)
+        return _megablox(lhs_RxI, rhs_GxIxO, group_sizes_E, group_offset)
+    if group_offset is not None:
+        raise ValueError("group_offset needs the megablox grouped matmul")
+    return jax.lax.ragged_dot(lhs_RxI, rhs_GxIxO, group_sizes_E)
 
 
 def route(logits_MxE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -102,6 +113,91 @@ class RouterOutput(NamedTuple):
     used: jax.Array
 
 
+def _experts_sum(
+    x_MxD: jax.Array,
+    weights_MxK: jax.Array,
+    experts_MxK: jax.Array,
+    gate_up_GxDx2xF: jax.Array,
+    down_GxFxD: jax.Array,
+    num_experts: int,
+    impl: GroupedMatmul,
+    group_offset: jax.Array | None = None,
+) -> jax.Array:
+    """[M, D] fp32: `dropless_experts` over the G experts held from `group_offset` on (all E without it); the
+    picks of other experts add nothing."""
+    m, d = x_MxD.shape
+    g, _, _, f = gate_up_GxDx2xF.shape
+    k = experts_MxK.shape[1]
+    experts_R = experts_MxK.reshape(-1)
+    order_R = jnp.argsort(experts_R, stable=True)  # rows grouped by expert, token order within a group
+    group_sizes_E = jnp.bincount(experts_R, length=num_experts).astype(jnp.int32)
+    x_RxD = jnp.take(x_MxD, order_R // k, axis=0)
+    gate_up_Rx2F = grouped_matmul(x_RxD, gate_up_GxDx2xF.reshape(g, d, 2 * f), group_sizes_E, impl, group_offset)
+    gate_RxF, up_RxF = gate_up_Rx2F[:, :f], gate_up_Rx2F[:, f:]
+    out_RxD = grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, down_GxFxD, group_sizes_E, impl, group_offset)
+    # back to (token, pick) order: the inverse permutation's gather, then a weighted sum over the picks
+    unsorted_MxKxD = jnp.take(out_RxD, jnp.argsort(order_R), axis=0).reshape(m, k, d)
+    return jnp.einsum("mkd,mk->md", unsorted_MxKxD.astype(jnp.float32), weights_MxK)
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _expert_parallel(
+    mesh: Mesh | AbstractMesh,
+    x_MxD: jax.Array,
+    weights_MxK: jax.Array,
+    experts_MxK: jax.Array,
+    gate_up_ExDx2xF: jax.Array,
+    down_ExFxD: jax.Array,
+) -> jax.Array:
+    """[M, D] fp32: the megablox experts per shard of `mesh` (XLA cannot partition a Pallas kernel). Each device
+    holds its experts (`expert` axis) and its slice of their width (`mlp`); the tokens are gathered over the
+    devices holding the other experts (the all-gather dispatch), each device computes its experts' rows only
+    (megablox's group offset), and the partial sums are reduce-scattered back to the tokens' devices."""
+    from areal_jax.sharding import logical_to_spec
+
+    e = gate_up_ExDx2xF.shape[0]
+    expert, _, _, mlp = logical_to_spec(("expert", "embed", "gate_up", "mlp"), gate_up_ExDx2xF.shape, mesh)
+    tokens = logical_to_spec(("batch",), x_MxD.shape[:1], mesh)[0]
+    expert_axes, mlp_axes, token_axes = _axes(expert), _axes(mlp), _axes(tokens)
+    gathered = tuple(a for a in expert_axes if a in token_axes)
+    summed = tuple(a for a in expert_axes if a not in token_axes) + mlp_axes
+    P = jax.sharding.PartitionSpec
+
+    def local(
+        x_MxD: jax.Array,
+        weights_MxK: jax.Array,
+        experts_MxK: jax.Array,
+        gate_up_GxDx2xF: jax.Array,
+        down_GxFxD: jax.Array,
+    ) -> jax.Array:
+        if gathered:
+            x_MxD, weights_MxK, experts_MxK = (
+                jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x_MxD, weights_MxK, experts_MxK)
+            )
+        shard = jnp.zeros((), jnp.int32)
+        for axis in expert_axes:
+            shard = shard * mesh.shape[axis] + jax.lax.axis_index(axis)
+        offset = shard * gate_up_GxDx2xF.shape[0]
+        out_MxD = _experts_sum(x_MxD, weights_MxK, experts_MxK, gate_up_GxDx2xF, down_GxFxD, e, "megablox", offset)
+        if summed:
+            out_MxD = jax.lax.psum(out_MxD, summed)
+        if gathered:
+            out_MxD = jax.lax.psum_scatter(out_MxD, gathered, scatter_dimension=0, tiled=True)
+        return out_MxD
+
+    rows = P(tokens, None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, P(expert, None, None, mlp), P(expert, mlp, None)),
+        out_specs=rows,
+        check_vma=False,
+    )(x_MxD, weights_MxK, experts_MxK, gate_up_ExDx2xF, down_ExFxD)
+
+
 def dropless_experts(
     x_MxD: jax.Array,
     weights_MxK: jax.Array,
@@ -110,20 +206,14 @@ def dropless_experts(
     down_ExFxD: jax.Array,
     impl: GroupedMatmul = "ragged_dot",
 ) -> jax.Array:
-    """sum_k weights[m, k] * expert_{experts[m, k]}(x[m]), [M, D], every pick computed (no capacity)."""
-    m, d = x_MxD.shape
-    e, _, _, f = gate_up_ExDx2xF.shape
-    k = experts_MxK.shape[1]
-    experts_R = experts_MxK.reshape(-1)
-    order_R = jnp.argsort(experts_R, stable=True)  # rows grouped by expert, token order within a group
-    group_sizes_E = jnp.bincount(experts_R, length=e).astype(jnp.int32)
-    x_RxD = jnp.take(x_MxD, order_R // k, axis=0)
-    gate_up_Rx2F = grouped_matmul(x_RxD, gate_up_ExDx2xF.reshape(e, d, 2 * f), group_sizes_E, impl)
-    gate_RxF, up_RxF = gate_up_Rx2F[:, :f], gate_up_Rx2F[:, f:]
-    out_RxD = grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, down_ExFxD, group_sizes_E, impl)
-    # back to (token, pick) order: the inverse permutation's gather, then a weighted sum over the picks
-    unsorted_MxKxD = jnp.take(out_RxD, jnp.argsort(order_R), axis=0).reshape(m, k, d)
-    combined_MxD = jnp.einsum("mkd,mk->md", unsorted_MxKxD.astype(jnp.float32), weights_MxK)
+    """sum_k weights[m, k] * expert_{experts[m, k]}(x[m]), [M, D], every pick computed (no capacity). With
+    megablox over a mesh of several devices (`program_mesh`), per shard (`_expert_parallel`)."""
+    mesh = program_mesh()
+    args = (x_MxD, weights_MxK, experts_MxK, gate_up_ExDx2xF, down_ExFxD)
+    if impl == "megablox" and mesh is not None and mesh.size > 1:
+        combined_MxD = _expert_parallel(mesh, *args)
+    else:
+        combined_MxD = _experts_sum(*args, gate_up_ExDx2xF.shape[0], impl)
     return combined_MxD.astype(x_MxD.dtype)
 
 
@@ -158,9 +248,9 @@ def load_balancing_loss(logits_MxE: jax.Array, experts_MxK: jax.Array, mask_M: j
 
 
 class MoEBlock(nnx.Module):
-    """The routed experts of one layer: router [D, E] and SwiGLU experts, gate/up [E, D, 2, F] and down [E, F, D].
-    (A Qwen3.5 shared expert, an MLP whose output is scaled by sigmoid(x @ gate), would add to `__call__`'s
-    result.)"""
+    """The routed experts of one layer: router [D, E] and SwiGLU experts, gate/up [E, D, 2, F] and down [E, F, D];
+    with `shared_expert_intermediate_size` (Qwen2-MoE, Qwen3.5-MoE) also a shared SwiGLU expert every token runs
+    through, gate/up [D, 2, S] and down [S, D], its output scaled by sigmoid(x @ shared_gate [D])."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         moe = cfg.moe
@@ -176,6 +266,10 @@ class MoEBlock(nnx.Module):
         self.router = param((d, e), ("embed", None))
         self.gate_up = param((e, d, 2, f), ("expert", "embed", "gate_up", "mlp"))
         self.down = param((e, f, d), ("expert", "mlp", "embed"))
+        s = moe.shared_expert_intermediate_size
+        self.shared_gate_up = None if s is None else param((d, 2, s), ("embed", "gate_up", "mlp"))
+        self.shared_down = None if s is None else param((s, d), ("mlp", "embed"))
+        self.shared_gate = None if s is None else param((d,), ("embed",))
 
     def router_logits(self, x_MxD: jax.Array) -> jax.Array:
         """[M, E] fp32."""
@@ -204,5 +298,16 @@ class MoEBlock(nnx.Module):
             self.down[...].astype(dtype),
             grouped_matmul_impl(self.moe),
         )
+        if self.shared_gate_up is not None:
+            out_MxD = out_MxD + self.shared_expert(x_MxD)
         router = RouterOutput(*(a.reshape(b, t, -1) for a in (logits_MxE, experts_MxK, used_MxK)))
         return out_MxD.reshape(b, t, d), router
+
+    def shared_expert(self, x_MxD: jax.Array) -> jax.Array:
+        """[M, D]: sigmoid(x @ shared_gate) * down(silu(gate(x)) * up(x)), the shared expert's share of every token."""
+        assert self.shared_gate_up is not None and self.shared_down is not None and self.shared_gate is not None
+        dtype = self.compute_dtype
+        gate_up_Mx2xS = jnp.einsum("md,dcs->mcs", x_MxD, self.shared_gate_up[...].astype(dtype))
+        out_MxD = (jax.nn.silu(gate_up_Mx2xS[:, 0]) * gate_up_Mx2xS[:, 1]) @ self.shared_down[...].astype(dtype)
+        gate_M = jnp.einsum("md,d->m", x_MxD, self.shared_gate[...].astype(dtype), preferred_element_type=jnp.float32)
+        return (jax.nn.sigmoid(gate_M)[:, None] * out_MxD.astype(jnp.float32)).astype(x_MxD.dtype)

@@ -67,7 +67,17 @@ class AgentConfig(Config):
         doc="refuse (HTTP 400) a request temperature other than rollout.workflow.sampling.temperature, the one "
         "the trainer scores at",
     )
-    episode_timeout_s: float = option(600.0, gt=0, doc="an agent still running after this long fails its episode")
+    episode_timeout_s: float = option(
+        600.0,
+        gt=0,
+        doc="an agent still running after this long fails its episode; kind 'external': an episode handed out "
+        "(GET /v1/tasks/next) and not ended after this long releases its group, counted against rollout.failures, "
+        "and the group's task is handed out again",
+    )
+    max_n: int = option(64, ge=1, le=1024, doc="the largest `n` (samples) one request may ask for; more is a 400")
+    max_body_bytes: int = option(
+        64 << 20, ge=1024, le=1 << 30, doc="the largest request body the proxy reads; a larger one is a 413"
+    )
 
     def validate(self) -> None:
         if self.function and not _USER_FUNCTION.match(self.function):

@@ -29,6 +29,11 @@ class FailureBudgetConfig(Config):
     )
 
 
+class ReissueGroup(RuntimeError):
+    """A group failed in a way that its task is run again: the controller counts the failure and issues the
+    same group id again (kind 'external': the outside agents that had it died)."""
+
+
 class RolloutFailure(RuntimeError):
     """Rollouts failed beyond the budget; the message names the counts and the first failure."""
 

@@ -53,10 +53,11 @@ Truncation = Literal["mask", "penalize", "keep"]
 class WorkflowConfig(Config):
     """How one prompt becomes the trajectories of its group: single-turn RLVR, or multi-turn episodes."""
 
-    kind: Literal["single_turn", "multi_turn", "agent"] = option(
+    kind: Literal["single_turn", "multi_turn", "agent", "external"] = option(
         "single_turn",
-        doc="'single_turn' (RLVR: one answer per sample), 'multi_turn' (the environment replies) or 'agent' (the "
-        "user's agent through the OpenAI-compatible proxy: `agent`, docs/agents.md)",
+        doc="'single_turn' (RLVR: one answer per sample), 'multi_turn' (the environment replies), 'agent' (the "
+        "user's agent through the OpenAI-compatible proxy: `agent`, docs/agents.md) or 'external' (agents in "
+        "other processes pull the tasks from the proxy, GET /v1/tasks/next, and post their rewards)",
     )
     n_samples: int = option(4, ge=1, doc="samples per prompt: the group size")
     sampling: SamplingParams = option(default_factory=SamplingParams, doc="how every model turn is sampled")

@@ -20,6 +20,7 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import TaskStream, drop_long_prompts, load_task_records, split_heldout
+from areal_jax.inference.slot_cache import PAGED_REFUSAL
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_config import model_config_from_hf
@@ -118,12 +119,8 @@ def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
         config = cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
     else:
         config = checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
-    if config.hybrid is not None:  # refused before anything loads, not at the engine's first prefill
-        raise ConfigError(
-            "hf_checkpoint" if cfg.hf_checkpoint else "model.family",
-            "is a qwen3_5 model: its trainer path and HF import/export exist, but the rollout engine cannot serve "
-            "its Gated DeltaNet layers yet (issue 37), so it cannot be trained with RL here",
-        )
+    if config.hybrid is not None and cfg.rollout.engine.paged:  # refused before anything loads
+        raise ConfigError("rollout.engine.kv_cache", f"value 'paged' with a qwen3_5 policy: {PAGED_REFUSAL}")
     return config
 
 
@@ -182,6 +179,10 @@ def build_workflow(config: WorkflowConfig, tokenizer: Tokenizer, reward: Reward)
         from areal_jax.agents.workflow import AgentWorkflow  # the openai client, only for agent runs
 
         return AgentWorkflow(config, tokenizer, reward.fn)
+    if config.kind == "external":
+        from areal_jax.agents.external import ExternalWorkflow
+
+        return ExternalWorkflow(config, tokenizer, reward.fn)
     return RLVRWorkflow(config, tokenizer, reward.fn)
 
 

@@ -193,6 +193,7 @@ def build_batch(
     config: TrainerConfig,
     planner: Planner | None = None,
     max_new_tokens: int | None = None,
+    routing_replay: bool = False,
 ) -> TrainBatch:
     """Shift, score and pack `trajectories` into `config.ppo_minibatches` mini-batches of one [M, B, L] shape.
 
@@ -203,6 +204,9 @@ def build_batch(
     (`plan_minibatches`). A `planner` instead maps the packed lengths (T - 1 per trajectory) of one mini-batch
     to a `PackPlan` (e.g. the fixed-count baseline); mini-batches with fewer micro-batches, and micro-batches
     smaller than the largest, are then padded (empty micro-batches / rows / columns) to the common shape.
+
+    `routing_replay` (the trainer replays a mixture's routing: `TrainStep`'s scorer) refuses a trajectory with
+    loss tokens but no recorded routing.
     """
     if not trajectories:
         raise ValueError("got an empty list of trajectories; a training step needs at least one")
@@ -213,7 +217,7 @@ def build_batch(
             f"trajectory {t.prompt_id}/{t.sample_index} has {t.length} token(s); training needs at least 2 "
             "(a prompt token and a predicted token)"
         )
-    if config.moe.routing_replay == "rollout":
+    if routing_replay:
         unrouted = [t for t in trajectories if t.routing is None and t.num_loss_tokens]
         if unrouted:
             t = unrouted[0]

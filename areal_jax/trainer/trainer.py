@@ -175,7 +175,8 @@ class Trainer:
     def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
         """One training step on one batch of trajectories; returns its statistics (host floats)."""
         started = time.perf_counter()
-        batch = build_batch(trajectories, self.config, self.planner, self.max_new_tokens)
+        replay = self.train_step.program.scorer.routing_replay  # a mixture under trainer.moe.routing_replay: rollout
+        batch = build_batch(trajectories, self.config, self.planner, self.max_new_tokens, replay)
         minibatches = [self.train_step.put_batch(mb) for mb in batch.minibatches]
         new_shapes = sorted({tuple(mb.tokens.shape) for mb in batch.minibatches} - self._shapes_seen)
         if new_shapes:

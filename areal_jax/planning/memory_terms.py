@@ -1,0 +1,209 @@
+"""The memory plan's lines for CPU and GPU devices, per side, from the config and the mesh's shape: each a
+`MemoryItem` (bytes per device, the keys that change it). `memory.py` puts them together into a plan;
+`tpu_memory.py` counts TPU's own way and reuses the shared terms here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from areal_jax.config import ExperimentConfig
+from areal_jax.inference.engine import EngineConfig
+from areal_jax.models.attention import ROW_BLOCK
+from areal_jax.models.config import ModelConfig
+
+# XLA's temporaries beyond the counted arrays, and the transient copies of a load or a weight update, as a
+# share of the counted bytes.
+XLA_OVERHEAD = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryItem:
+    """One line of the plan: bytes per device and the config keys that change it."""
+
+    name: str
+    bytes: int
+    keys: tuple[str, ...]
+
+
+def _bytes(dtype: str) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def _shards(mesh_shape: dict[str, int], *axes: str) -> int:
+    return math.prod(mesh_shape.get(axis, 1) for axis in axes)
+
+
+def _weight_shards(model: ModelConfig, mesh_shape: dict[str, int]) -> int:
+    """Devices a weight is split over: fsdp splits the model width and tensor the MLP width, each only where it
+    divides them (`sharding.logical_to_spec` replicates a weight along an axis that does not: 896 over 3)."""
+    fsdp, tensor = mesh_shape.get("fsdp", 1), mesh_shape.get("tensor", 1)
+    return (fsdp if model.hidden_size % fsdp == 0 else 1) * (tensor if model.intermediate_size % tensor == 0 else 1)
+
+
+def _layer_params(model: ModelConfig) -> int:
+    return (
+        model.num_held_params() - model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    ) // max(1, model.num_layers)
+
+
+def _layer_activations(
+    model: ModelConfig, tokens: int, row_length: int, rows: int, dtype_bytes: int, expert_group: int = 1
+) -> int:
+    """One layer's intermediates for `tokens` tokens in rows of `row_length` (forward values and their
+    cotangents): projections, MLP hidden, and the attention scores of the query blocks. `expert_group`: the
+    devices a mixture's experts are split over; each gathers the tokens of all of them to dispatch (`models/moe.py`),
+    so its dispatch rows are that many times its own tokens'."""
+    d, f, h = model.hidden_size, model.intermediate_size, model.resolved_head_dim
+    n, k = model.num_heads, model.num_kv_heads
+    feed_forward = 3 * f
+    if model.moe is not None and any(model.sparse_layers):
+        moe = model.moe
+        # the router's logits, then every (token, pick) row the dispatch makes: its gathered input, gate/up,
+        # hidden and output (`models/moe.py`); a layer holds the larger of this and a dense MLP's
+        dispatch = moe.num_experts + expert_group * moe.experts_per_token * (2 * d + 3 * moe.expert_intermediate_size)
+        feed_forward = dispatch if all(model.sparse_layers) else max(feed_forward, dispatch)
+    per_token = (n + 2 * k) * h + n * h + 4 * d + feed_forward
+    block = min(ROW_BLOCK, row_length)
+    scores = rows * n * block * row_length * 4 * 2  # fp32 scores and probabilities of a query block
+    return 2 * tokens * per_token * dtype_bytes + scores
+
+
+def _trainer_transients(
+    cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
+) -> tuple[int, int, int, int]:
+    """(tokens, activations, log-prob chunk tokens, their logits) of a trainer device's largest micro-batch."""
+    packing = cfg.packing_on(platform)
+    batch_shards = _shards(mesh_shape, "data", "fsdp")
+    rows = max(1, packing.rows // batch_shards)
+    tokens = rows * packing.row_length
+    trainer_dtype = cfg.trainer.compute_dtype
+    c = _bytes(model.compute_dtype_on(platform) if trainer_dtype == "model" else trainer_dtype)
+    expert_group = _shards(mesh_shape, "fsdp") if model.moe is not None else 1  # the expert axis maps to fsdp
+    layer = _layer_activations(model, tokens, packing.row_length, rows, c, expert_group) // _shards(
+        mesh_shape, "tensor"
+    )
+    saved = tokens * model.hidden_size * c  # a layer's input, kept for the backward pass
+    if model.remat == "full":
+        activations = model.num_layers * saved + layer
+    elif model.remat == "dots":
+        activations = model.num_layers * (saved + layer // 3) + layer
+    else:
+        activations = model.num_layers * layer
+    # a chunk is `logprob_chunk` / packing.rows positions of every row (`chunked_logprobs`): this device's rows'
+    chunk = rows * min(packing.row_length, max(1, model.resolved_logprob_chunk // packing.rows))
+    logits = chunk * model.vocab_size * 4 * 4  # logits, probabilities and cotangents
+    return tokens, activations, chunk, logits
+
+
+def one_microbatch_per_update(cfg: ExperimentConfig, platform: str) -> bool:
+    """Whether a mini-batch always packs into one micro-batch (at most `rows` sequences, each fits a row)."""
+    sequences = -(-cfg.rollout.staleness.batch_prompts * cfg.rollout.workflow.n_samples // cfg.trainer.ppo_minibatches)
+    return sequences <= cfg.packing_on(platform).rows
+
+
+def trainer_items(
+    cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
+) -> list[MemoryItem]:
+    """Per trainer device: the state, the largest micro-batch's activations, logits, temporaries."""
+    param_shards = _weight_shards(model, mesh_shape)
+    params = (model.num_held_params() + model.num_lora_params()) * _bytes(model.param_dtype) // param_shards
+    # what the optimizer updates: every parameter, or with model.lora the adapters alone (the base has no moments
+    # and no gradient)
+    trained = (model.num_lora_params() or model.num_held_params()) * _bytes(model.param_dtype) // param_shards
+    tokens, activations, chunk, logits = _trainer_transients(cfg, model, mesh_shape, platform)
+    state_keys = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
+    trained_keys = (*state_keys, "model.lora")
+    of = " of the adapters" if model.lora is not None else ""
+    # a mini-batch of at most `rows` sequences always packs into one micro-batch (each fits a row): its gradient
+    # needs no accumulator beside it
+    one_microbatch = one_microbatch_per_update(cfg, platform)
+    gradients = (
+        MemoryItem(f"gradients{of}", trained, trained_keys)
+        if one_microbatch
+        else (MemoryItem(f"gradients{of} (accumulated + micro-batch)", 2 * trained, trained_keys))
+    )
+    return [
+        MemoryItem("params", params, state_keys),
+        MemoryItem(f"Adam moments{of}", 2 * trained, trained_keys),
+        gradients,
+        MemoryItem(
+            f"activations ({tokens} tokens, remat {model.remat})",
+            activations,
+            ("trainer.packing.token_budget", "model.remat", "trainer.packing.rows"),
+        ),
+        MemoryItem(f"log-prob chunk logits ({chunk} tokens)", logits, ("model.logprob_chunk",)),
+    ]
+
+
+def engine_transients(engine: EngineConfig, model: ModelConfig, c: int) -> tuple[int, int, int]:
+    """(rows, bytes) of the largest prefill (its keys and values, half a layer's activations: no cotangents) and
+    the bytes of a decode step's logits and the sampler's sorted copies, in compute dtype of `c` bytes."""
+    k, h = model.num_kv_heads, model.resolved_head_dim
+    kv_layers = model.num_layers if model.hybrid is None else model.hybrid.count("full_attention")
+    rows = min(engine.max_prefill_batch, engine.max_slots)
+    tokens = rows * engine.max_length
+    prefill = kv_layers * tokens * k * h * 2 * c + _layer_activations(model, tokens, engine.max_length, rows, c) // 2
+    decode = engine.max_slots * model.vocab_size * 4 * 4
+    return rows, prefill, decode
+
+
+def inference_items(
+    engine: EngineConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
+) -> list[MemoryItem]:
+    """Per inference device: weights (serving dtype), per-layer copies, KV cache, prefill/decode temporaries."""
+    compute = model.compute_dtype_on(platform)
+    served = min(_bytes(model.param_dtype), _bytes(compute))
+    c = _bytes(compute)
+    weight_shards = _weight_shards(model, mesh_shape)
+    weights = model.num_held_params() * served // weight_shards
+    k, h, y = model.num_kv_heads, model.resolved_head_dim, model.num_layers
+    head_shards = mesh_shape.get("tensor", 1) if k % mesh_shape.get("tensor", 1) == 0 else 1
+    slot_shards = _shards(mesh_shape, "data", "fsdp")
+    hy = model.hybrid
+    kv_layers = y if hy is None else hy.count("full_attention")  # a qwen3_5 model's linear layers keep none
+    if engine.paged:
+        kv = kv_layers * engine.pool_pages * engine.page_size * k * h * 2 * c // head_shards
+        kv_name = f"KV cache (paged: {engine.pool_pages} pages of {engine.page_size})"
+        kv_keys = ("rollout.engine.num_pages", "rollout.engine.page_size", "rollout.engine.max_length")
+    else:
+        kv = kv_layers * engine.max_slots * engine.max_length * k * h * 2 * c // (head_shards * slot_shards)
+        kv_name = f"KV cache (dense: {engine.max_slots} slots x {engine.max_length})"
+        kv_keys = ("rollout.engine.max_slots", "rollout.engine.max_length", "rollout.engine.kv_cache")
+    rows, prefill, decode = engine_transients(engine, model, c)
+    items = [
+        MemoryItem(
+            f"engine weights ({compute if served == c else model.param_dtype})",
+            weights,
+            ("model.compute_dtype",),
+        )
+    ]
+    if engine.keeps_layer_copies(platform):
+        copies = y * _layer_params(model) * served // weight_shards
+        items.append(MemoryItem("per-layer weight copies", copies, ("rollout.engine.decode_layer_copies",)))
+    items.append(MemoryItem(kv_name, kv, kv_keys))
+    if hy is not None:  # per slot and linear layer: the fp32 recurrent state and the convolution window
+        state = hy.linear_num_value_heads * hy.linear_key_head_dim * hy.linear_value_head_dim * 4
+        window = (hy.conv_kernel - 1) * hy.linear_num_key_heads * hy.group_width * c
+        states = engine.max_slots * hy.count("linear_attention") * (state + window) // slot_shards
+        items.append(MemoryItem(f"recurrent states ({engine.max_slots} slots)", states, ("rollout.engine.max_slots",)))
+    items += [
+        MemoryItem(
+            f"prefill temporaries ({rows} x {engine.max_length})",
+            prefill,
+            ("rollout.engine.max_prefill_batch", "rollout.engine.max_length"),
+        ),
+        MemoryItem("decode logits and sampling", decode, ("rollout.engine.max_slots",)),
+    ]
+    if platform == "cpu" and c < 4:
+        # XLA:CPU converts bf16 matmul operands to f32, the scanned layers' weights once per call
+        converted = model.num_held_params() * 4 // weight_shards
+        items.append(MemoryItem("f32 copies of bf16 weights (XLA:CPU)", converted, ("model.compute_dtype",)))
+    return items
+
+
+def _with_overhead(items: list[MemoryItem]) -> tuple[MemoryItem, ...]:
+    overhead = int(XLA_OVERHEAD * sum(item.bytes for item in items))
+    return (*items, MemoryItem("XLA temporaries and transient copies (estimate)", overhead, items[0].keys))
