@@ -17,6 +17,9 @@ from areal_jax.models.config import ModelConfig
 # XLA's temporaries beyond the counted arrays, and the transient copies of a load or a weight update, as a
 # share of the counted bytes.
 XLA_OVERHEAD = 0.15
+# The keys that change a trainer device's params, and its trained state (Adam moments, gradients).
+TRAINER_STATE_KEYS = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
+TRAINED_KEYS = (*TRAINER_STATE_KEYS, "model.lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +117,7 @@ def trainer_items(
     # and no gradient)
     trained = (model.num_lora_params() or model.num_held_params()) * _bytes(model.param_dtype) // param_shards
     tokens, activations, chunk, logits = _trainer_transients(cfg, model, mesh_shape, platform)
-    state_keys = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
-    trained_keys = (*state_keys, "model.lora")
+    state_keys, trained_keys = TRAINER_STATE_KEYS, TRAINED_KEYS
     of = " of the adapters" if model.lora is not None else ""
     # a mini-batch of at most `rows` sequences always packs into one micro-batch (each fits a row): its gradient
     # needs no accumulator beside it

@@ -67,8 +67,7 @@ def trainer_items(
     trained = state_bytes(trainable, mesh_shape, PLATFORM)
     params = trained + state_bytes(frozen, mesh_shape, PLATFORM)
     tokens, activations, chunk, logits = _trainer_transients(cfg, model, mesh_shape, PLATFORM)
-    state_keys = ("model.param_dtype", "mesh.fsdp", "rollout.trainer_share")
-    trained_keys = (*state_keys, "model.lora")
+    state_keys, trained_keys = memory.TRAINER_STATE_KEYS, memory.TRAINED_KEYS
     of = " of the adapters" if model.lora is not None else ""
     one = one_microbatch_per_update(cfg, PLATFORM)
     gradients = (
