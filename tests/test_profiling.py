@@ -5,8 +5,11 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+
 from areal_jax.cli import main
-from areal_jax.profiling import ProfileConfig, ProfileWindow
+from areal_jax.profiling import ProfileConfig, ProfileWindow, newest_trace
 
 CHILD = """
 import json, os, sys
@@ -62,3 +65,28 @@ def test_a_disabled_window_writes_nothing_and_a_missing_trace_is_reported(tmp_pa
     assert not window.enabled and not (tmp_path / "profile").exists()
     assert main(["profile-summary", str(tmp_path)]) == 2
     assert "no *.xplane.pb trace" in capsys.readouterr().err
+
+
+def _python_call_events(directory) -> list[str]:
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(str(newest_trace(directory)))
+    # the Python tracer's events are named `$<file>:<line> <function>`, on the line of the thread that ran them
+    return [e.name for plane in data.planes for line in plane.lines for e in line.events if e.name.startswith("$")]
+
+
+def test_python_calls_are_traced_only_when_asked(tmp_path):
+    """Off by default (the trace stays small and quick to write); on, the window records Python calls."""
+    assert ProfileConfig().python_tracer is False
+    for python_tracer in (False, True):
+
+        def a_distinctly_named_python_function(x):  # a new function each time: traced, not from jit's cache
+            return jnp.tanh(x) + 1.0
+
+        directory = tmp_path / f"python-{python_tracer}"
+        window = ProfileWindow(ProfileConfig(start_step=1, num_steps=1, python_tracer=python_tracer), directory)
+        window.before_step(1)
+        jax.jit(a_distinctly_named_python_function)(jnp.ones(4)).block_until_ready()
+        window.after_step(1)
+        named = [name for name in _python_call_events(directory) if "a_distinctly_named_python_function" in name]
+        assert bool(named) is python_tracer, (python_tracer, len(named))
