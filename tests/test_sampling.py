@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from areal_jax.inference.sampling import sample_slots, truncate_logits
+from areal_jax.inference.sampling import CDF_BLOCK, inverse_cdf_draw, sample_slots, truncate_logits
 
 LOGITS = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], np.float32)
 DRAWS = 20_000
@@ -66,3 +66,28 @@ def test_truncation_keeps_at_least_one_token_and_ties():
     assert np.isfinite(np.asarray(out)).tolist() == [[True, True, False, False]]
     out = truncate_logits(z, jnp.asarray([0]), jnp.asarray([1e-6]))
     assert np.isfinite(np.asarray(out)).sum() >= 1
+
+
+def test_the_two_level_draw_is_the_first_id_past_u_times_the_total():
+    """`inverse_cdf_draw` (block sums, then one block) against a float64 running sum over the whole row: a
+    vocabulary that is not a multiple of the block, rows with mass in few blocks, and u at 0 and 1."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 512, 1000  # 3 full blocks of CDF_BLOCK and a partial one
+    assert vocab % CDF_BLOCK and vocab > 3 * CDF_BLOCK
+    weights = rng.exponential(size=(rows, vocab)).astype(np.float32)
+    weights[rows // 2 :, rng.random(vocab) < 0.9] = 0.0  # mass in scattered ids only
+    weights[-1, :] = 0.0
+    weights[-1, [5, 700]] = 1.0  # two ids, blocks apart
+    uniform = rng.random(rows).astype(np.float32)
+    uniform[:3] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 1.0]
+    drawn = np.asarray(jax.jit(inverse_cdf_draw)(jnp.asarray(weights), jnp.asarray(uniform)))
+
+    cdf = np.cumsum(weights.astype(np.float64), axis=-1)
+    threshold = uniform.astype(np.float64) * cdf[:, -1]
+    expected = np.minimum((cdf <= threshold[:, None]).sum(-1), [np.flatnonzero(w).max() for w in weights])
+    near_a_boundary = np.abs(cdf[np.arange(rows), expected] - threshold) < 1e-5 * cdf[:, -1]
+    assert np.all(weights[np.arange(rows), drawn] > 0), "drew an id without mass"
+    moved = drawn != expected
+    assert not np.any(moved & ~near_a_boundary), np.flatnonzero(moved)  # fp32 rounding moves only those
+    assert moved.sum() <= 2, np.flatnonzero(moved)
+    assert drawn[2] == np.flatnonzero(weights[2]).max()  # u = 1: the last id with mass
