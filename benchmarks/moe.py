@@ -16,6 +16,13 @@ is `ratio mismatch_off_vs_on: X` (the mismatch without replay over the mismatch 
 slice (libtpu, no chip, no weights: `areal-jax compile` over Qwen3-30B-A3B's config.json, at N of its 48 layers)
 and prints each program's compile time and temporaries and each side's per-chip memory by the compiler and by the
 plan; the last line is `ratio compiler_vs_plan:`, the larger side's compiler total over its plan total.
+
+`--dispatch TOPOLOGY [--tokens M]` compiles one Qwen3-30B-A3B sparse layer (router, top-8 of 128 experts, the
+experts of width 768 in bf16, megablox), its forward and gradient, for the slice's chips (experts over all of
+them, M tokens a chip), under each expert dispatch (`model.moe.dispatch`): the per-chip temporaries, and the
+collectives' bytes a chip sends per layer (the all-gather's and reduce-scatter's by their sizes; the ragged
+all-to-all's for balanced routing, each chip's M x 8 picks once per instruction); the last line is
+`ratio temporaries_all_gather_vs_all_to_all:`.
 """
 
 from __future__ import annotations
@@ -58,8 +65,8 @@ MODEL = ModelConfig(
 
 SIZING = Path(__file__).resolve().parents[1] / "configs/sizing"
 # Qwen/Qwen3-30B-A3B's config.json as published (transformers 4.51.0)
-QWEN3_30B_A3B = json.loads((SIZING / "qwen3_30b_a3b/config.json").read_text())
-RECIPE = SIZING / "qwen3_30b_a3b_deepscaler.yaml"
+QWEN3_30B_A3B = json.loads((SIZING / "Qwen3-30B-A3B/config.json").read_text())
+RECIPE = SIZING.parent / "recipes/qwen3_30b_a3b_deepscaler_tpu.yaml"
 MIB = 2**20
 
 
@@ -87,6 +94,55 @@ def compile_recipe(topology: str, layers: int) -> None:
         worst = max(worst, side.peak / side.plan_total)
     report("compile_total", seconds, "s")
     report("ratio compiler_vs_plan", worst, "x")
+
+
+def compare_dispatch(topology: str, tokens: int) -> None:
+    """One 30B sparse layer's forward and gradient compiled for `topology` under each dispatch (module doc)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from areal_jax.activation_sharding import activations_on
+    from areal_jax.compile.hlo import collectives
+    from areal_jax.compile.topology import slice_devices
+
+    devices = slice_devices(topology)
+    chips = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, chips, 1), ("data", "fsdp", "tensor"))
+    d, e = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["num_experts"]
+    k, f = QWEN3_30B_A3B["num_experts_per_tok"], QWEN3_30B_A3B["moe_intermediate_size"]
+    shapes = [
+        ((chips * tokens, d), P(("data", "fsdp"))),
+        ((d, e), P()),
+        ((e, d, 2, f), P("fsdp")),
+        ((e, f, d), P("fsdp")),
+    ]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p)) for s, p in shapes]
+    temporaries = {}
+    for dispatch in ("all_gather", "all_to_all"):
+
+        def layer(x, router, gate_up, down, dispatch=dispatch):
+            weights, ids = route(jnp.einsum("md,de->me", x, router, preferred_element_type=jnp.float32), k, True)
+            return dropless_experts(x, weights, ids, gate_up, down, "megablox", dispatch)
+
+        def step(x, router, gate_up, down, cotangent, layer=layer):
+            out, vjp = jax.vjp(layer, x, router, gate_up, down)
+            return out, vjp(cotangent)
+
+        started = time.perf_counter()
+        with activations_on(mesh):
+            compiled = jax.jit(step).lower(*args, args[0]).compile()
+        report(f"compile {dispatch}", time.perf_counter() - started, "s")
+        temporaries[dispatch] = compiled.memory_analysis().temp_size_in_bytes
+        report(f"layer_temporaries {dispatch}", temporaries[dispatch] / MIB, "MiB")
+        sent = 0.0
+        for c in collectives(compiled.as_text()):
+            if c.kind == "ragged-all-to-all":  # its bytes are the buffer's; it moves each chip's picks once
+                sent += c.runs / chips * tokens * k * d * 2 * (chips - 1) / chips
+            elif c.kind in ("all-gather", "all-reduce", "reduce-scatter"):
+                full = c.bytes * (chips if c.kind == "reduce-scatter" else 1)  # a ring sends (n - 1) / n of it
+                sent += c.runs * full * (chips - 1) / chips * (2 if c.kind == "all-reduce" else 1)
+        report(f"layer_collective_bytes_sent {dispatch}", sent / MIB, "MiB")
+    report("ratio temporaries_all_gather_vs_all_to_all", temporaries["all_gather"] / temporaries["all_to_all"], "x")
 
 
 def report(name: str, value: float, unit: str) -> None:
@@ -164,7 +220,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sequences and tokens: under a minute")
     parser.add_argument("--compile", metavar="TOPOLOGY", help="compile the Qwen3-30B-A3B recipe for this TPU slice")
     parser.add_argument("--layers", type=int, default=48, help="with --compile: layers of the model (48: all)")
+    parser.add_argument("--dispatch", metavar="TOPOLOGY", help="compare the dispatches on one 30B layer for a slice")
+    parser.add_argument("--tokens", type=int, default=32768, help="with --dispatch: tokens a chip (the recipe's)")
     args = parser.parse_args()
+    if args.dispatch:
+        compare_dispatch(args.dispatch, args.tokens)
+        return
     if args.compile:
         compile_recipe(args.compile, args.layers)
         return

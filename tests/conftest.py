@@ -116,6 +116,7 @@ _SLOW = frozenset(
         "test_hybrid_layers.py",
         "test_gated_delta.py",
         "test_hybrid_engine.py",
+        "test_hybrid_moe.py",
     }
 )
 

@@ -97,22 +97,45 @@ def test_finite_differences():
         )
 
 
-def test_chunked_equals_recurrent_with_resets():
-    x = _inputs(3, t=23)
+# In float64 the forms agree to rounding (so any fp32 gap between them is summation order, not a different
+# function): measured 1e-15, bound 1e-12.
+@pytest.mark.parametrize("dtype, atol", [(np.float32, 2e-5), (np.float64, 1e-12)])
+def test_chunked_equals_recurrent_with_resets(dtype, atol):
+    x = {name: value.astype(dtype) for name, value in _inputs(3, t=23).items()}
     reset = np.zeros((B, 23), bool)
     reset[0, [0, 5, 16]] = True  # row 0 starts fresh three times; row 1 continues its initial state
-    chunked = jax.jit(lambda *a: chunk_gated_delta_rule(*a, chunk=CHUNK))(*list(x.values())[:5], reset, x["state"])
-    recurrent = jax.jit(recurrent_gated_delta_rule)(*list(x.values())[:5], reset, x["state"])
-    for a, b in zip(chunked, recurrent, strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
-    state = x["state"]
-    step = jax.jit(gated_delta_step)
-    for i in range(23):  # and the decode step, token by token
-        token = [value[:, i] for value in list(x.values())[:5]]
-        state = jnp.where(reset[:, i, None, None, None], 0.0, state)
-        out, state = step(*token, state)
-        np.testing.assert_allclose(out, recurrent[0][:, i], atol=2e-5, rtol=0)
-    np.testing.assert_allclose(state, recurrent[1], atol=2e-5, rtol=0)
+    with jax.enable_x64(dtype == np.float64):
+        chunked = jax.jit(lambda *a: chunk_gated_delta_rule(*a, chunk=CHUNK))(*list(x.values())[:5], reset, x["state"])
+        recurrent = jax.jit(recurrent_gated_delta_rule)(*list(x.values())[:5], reset, x["state"])
+        assert chunked[0].dtype == recurrent[0].dtype == dtype
+        for a, b in zip(chunked, recurrent, strict=True):
+            np.testing.assert_allclose(a, b, atol=atol, rtol=0)
+        state = x["state"]
+        step = jax.jit(gated_delta_step)
+        for i in range(23):  # and the decode step, token by token
+            token = [value[:, i] for value in list(x.values())[:5]]
+            state = jnp.where(reset[:, i, None, None, None], 0.0, state)
+            out, state = step(*token, state)
+            np.testing.assert_allclose(out, recurrent[0][:, i], atol=atol, rtol=0)
+        np.testing.assert_allclose(state, recurrent[1], atol=atol, rtol=0)
+
+
+def test_strong_gates_lose_no_precision_within_a_chunk():
+    """A chunk of 64 whose log decay sums to ~ -500 (every 4th token wipes the state, the others barely decay
+    it): the decays between neighbours are summed over their span, not as differences of the chunk's running
+    sums (which carry ~|sum| x eps of rounding: 4e-6 here), so fp32 stays as close to the float64 recurrence as
+    fp32's own recurrence (4e-8 and 5e-8 measured)."""
+    rng = np.random.default_rng(7)
+    b, t, n, h, k, v = 1, 64, 2, 4, 16, 8
+    q, key = rng.normal(size=(2, b, t, n, k))
+    value = rng.normal(size=(b, t, h, v))
+    g = np.where(np.arange(t)[None, :, None] % 4 == 3, -30.0, -0.01 * rng.random(size=(b, t, h)))
+    beta = rng.uniform(0.2, 0.8, size=(b, t, h))
+    with jax.enable_x64(True):
+        reference = np.asarray(jax.jit(recurrent_gated_delta_rule)(q, key, value, g, beta)[0])
+    fp32 = [x.astype(np.float32) for x in (q, key, value, g, beta)]
+    out, _ = jax.jit(lambda *a: chunk_gated_delta_rule(*a, chunk=64))(*fp32)
+    np.testing.assert_allclose(out, reference, atol=4e-7, rtol=0)
 
 
 def test_packed_row_keeps_sequences_apart():

@@ -1,9 +1,10 @@
 """Qwen3.5 (`qwen3_5`) served by the engine: on tiny HF checkpoints (transformers' random init, loaded from
 safetensors), the behaviour log-prob of every generated token equals the trainer's packed-row log-prob of the
 same tokens under the weights version that sampled it, across an abort (a slot reused) and an interruption (new
-weights mid-generation: the samples re-prefilled), and for a model without full attention (no KV cache at all).
-After warm-up nothing compiles; a sharded engine samples what one device does; an insert replaces a slot's whole
-row; a paged cache is refused; the memory plan counts the decode cache's bytes."""
+weights mid-generation: the samples re-prefilled), and for a model without full attention (no KV cache at all):
+to fp32 rounding, whose heavy tail is bounded as measured; in float64 a linear layer's decode continues its
+prefill exactly. After warm-up nothing compiles; a sharded engine samples what one device does; an insert
+replaces a slot's whole row; a paged cache is refused; the memory plan counts the decode cache's bytes."""
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +23,27 @@ from tests.test_generator import _wait_until
 from tests.test_hybrid_parity import _load, _text_model
 
 TEMPERATURE = 0.9
-# The trainer's log-probs (chunked delta rule over a packed row) against the engine's (prefill chunk by chunk, then
-# one recurrent step per token): the same function in fp32, summed in other orders. On sequences of up to 64 tokens
-# the trainer alone moves by 4.5e-5 between chunks of 8 and 64; engine against trainer measured 1.8e-5 to 1.5e-4
-# (the largest late in a 48-token recurrence) over six runs, and 3.3e-4 once in CI (one token of 43, after the
-# interruption): larger than the dense engine's gap, not yet explained (issue 37). A slot's state left from another
-# sequence is off by ~10.
-TOLERANCE = 1e-3
+# The engine's log-probs (prefill chunk by chunk, then one recurrent step per token) against the trainer's (chunked
+# delta rule over a packed row) are the same function in fp32, rounded in other orders: with every float widened to
+# float64 the two agree to 5e-14 through this test's abort and interruption (see also the float64 test below). What
+# fp32 leaves is heavy-tailed: Qwen3.5's gated RMSNorm scales each head's read-out o = S^T q to unit size, and where
+# o nearly cancels (sum |q_k S_kv| up to ~700 x rms(o) in this tiny model, whose strong decays leave about one
+# token in the state, so o ~ (q.k) v) the rounding of its terms is scaled up with it: the function's own
+# conditioning, which any fp32 implementation shares. Over 160 runs of this test's flow (seeds 0-159, ~150 tokens
+# each) the per-run median gap was at most 2.9e-6, the 90th percentile at most 2.4e-5, the largest 1.1e-3 (6e-5
+# typical), and both paths erred alike against float64 (engine 9.6e-4, trainer 6.5e-4 at worst). So the bounds
+# below are ~4x those; a state or window carried wrongly (another sequence's state is off by ~10) moves every
+# later token.
+MEDIAN_GAP, P90_GAP, MAX_GAP = 1e-5, 1e-4, 5e-3
+
+
+def _assert_rounding_close(actual: np.ndarray, expected: np.ndarray) -> float:
+    """fp32 rounding's gap, not a different computation: bounds on its median, 90th percentile and maximum."""
+    gap = np.abs(np.asarray(actual) - np.asarray(expected))
+    assert np.median(gap) <= MEDIAN_GAP and np.quantile(gap, 0.9) <= P90_GAP and gap.max() <= MAX_GAP, (
+        f"gap median {np.median(gap):.1e}, 90th percentile {np.quantile(gap, 0.9):.1e}, max {gap.max():.1e}"
+    )
+    return float(gap.max())
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +111,48 @@ def test_engine_logprobs_equal_the_trainers_across_an_abort_and_an_interruption(
     assert all(set(r.output_versions) == {0, 1} for r in results)
     assert results[0].output_ids != results[1].output_ids  # the two samples of a share a prefill, not a stream
     everything = [result_b, *results]
-    gaps = []
+    behaviour, trainer = [], []
     for version, model in ((0, old), (1, new)):
         scored = _packed_logprobs(model, [list(r.prompt_ids) + list(r.output_ids) for r in everything], width=256)
         for result, logp in zip(everything, scored, strict=True):
             chosen = np.array(result.output_versions) == version
-            behaviour = np.array(result.output_logprobs)[chosen]
-            trainer = logp[len(result.prompt_ids) - 1 :][chosen]
-            gaps.append(np.abs(behaviour - trainer).max(initial=0.0))
-            np.testing.assert_allclose(behaviour, trainer, atol=TOLERANCE, rtol=0)
-    print(f"largest engine-trainer log-prob gap: {max(gaps):.2e}")
+            behaviour.append(np.array(result.output_logprobs)[chosen])
+            trainer.append(logp[len(result.prompt_ids) - 1 :][chosen])
+    largest = _assert_rounding_close(np.concatenate(behaviour), np.concatenate(trainer))
+    print(f"largest engine-trainer log-prob gap: {largest:.2e}")
+
+
+def test_decoding_continues_a_prefill_exactly_in_float64(versions):
+    """A linear layer in float64: a prompt's prefill (right-padded) then one decode step per token leaves the
+    state and window a prefill of the whole sequence leaves (what an interruption's re-prefill starts from), and
+    its outputs are that prefill's and the packed row's (another sequence before it): equal to rounding (4e-16
+    measured), where fp32 leaves the heavy-tailed gap above."""
+    graphdef, stacked = nnx.split(versions[0].linear_layers)
+    rng = np.random.default_rng(0)
+    n, prompt, other = 40, 13, 9
+    x = rng.normal(size=(1, other + n, versions[0].config.hidden_size))
+    with jax.enable_x64(True):
+        mixer = nnx.merge(graphdef, jax.tree.map(lambda w: w[0].astype(jnp.float64), stacked)).mixer
+        mixer.compute_dtype = jnp.float64
+        mixer_def, weights = nnx.split(mixer)
+        prefill = jax.jit(lambda w, x, n: nnx.merge(mixer_def, w).prefill(x, n))
+        decode = jax.jit(lambda w, *args: nnx.merge(mixer_def, w).decode(*args))
+        seq = x[:, other:]
+        whole, whole_state, whole_window = prefill(weights, np.pad(seq, ((0, 0), (0, 8), (0, 0))), np.array([n]))
+        out, state, window = prefill(weights, np.pad(seq[:, :prompt], ((0, 0), (0, 3), (0, 0))), np.array([prompt]))
+        outputs = [out[:, :prompt]]
+        for i in range(prompt, n):
+            out, state, window = decode(weights, seq[:, i : i + 1], state, window)
+            outputs.append(out)
+        decoded = jnp.concatenate(outputs, axis=1)
+        reset = np.zeros((1, other + n), bool)
+        reset[0, [0, other]] = True
+        packed = jax.jit(lambda w, x, r: nnx.merge(mixer_def, w)(x, r))(weights, x, reset)[:, other:]
+    assert decoded.dtype == state.dtype == jnp.float64
+    np.testing.assert_allclose(state, whole_state, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(window, whole_window, atol=1e-12, rtol=0)
+    np.testing.assert_allclose(decoded, whole[:, :n], atol=1e-12, rtol=0)
+    np.testing.assert_allclose(decoded, packed, atol=1e-12, rtol=0)
 
 
 def test_a_linear_attention_only_model_is_served_without_a_kv_cache(tmp_path):
@@ -120,7 +167,7 @@ def test_a_linear_attention_only_model_is_served_without_a_kv_cache(tmp_path):
     scored = _packed_logprobs(model, [list(r.prompt_ids) + list(r.output_ids) for r in results], width=64)
     for result, logp in zip(results, scored, strict=True):
         assert len(result.output_ids) == 20
-        np.testing.assert_allclose(result.output_logprobs, logp[len(result.prompt_ids) - 1 :], atol=TOLERANCE, rtol=0)
+        _assert_rounding_close(result.output_logprobs, logp[len(result.prompt_ids) - 1 :])
 
 
 def test_sharded_generation_equals_single_device(versions):
@@ -143,7 +190,7 @@ def test_sharded_generation_equals_single_device(versions):
             assert cache.state[0].sharding.spec[:2] == (("data", "fsdp"), "tensor")
     for single, sharded in zip(outputs["single"], outputs["sharded"], strict=True):
         assert single.output_ids == sharded.output_ids
-        np.testing.assert_allclose(single.output_logprobs, sharded.output_logprobs, atol=TOLERANCE, rtol=0)
+        _assert_rounding_close(single.output_logprobs, sharded.output_logprobs)
 
 
 def test_a_hybrid_cache_insert_replaces_the_whole_slot(versions):

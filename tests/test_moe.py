@@ -23,7 +23,14 @@ from areal_jax.models.hf_config import model_config_from_hf
 from areal_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from areal_jax.models.init import create_decoder
 from areal_jax.models.lora_config import LoRAConfig
-from areal_jax.models.moe import dropless_experts, grouped_matmul_impl, load_balancing_loss, one_hot_experts, route
+from areal_jax.models.moe import (
+    dispatch_impl,
+    dropless_experts,
+    grouped_matmul_impl,
+    load_balancing_loss,
+    one_hot_experts,
+    route,
+)
 from areal_jax.planning.memory import plan_memory
 from areal_jax.sharding import MeshConfig, data_sharding, make_mesh
 from tests.engine_fixtures import scoring_logprobs
@@ -98,6 +105,9 @@ def test_grouped_matmul_follows_the_platform_unless_set():
     cpu_mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
     with jax.set_mesh(cpu_mesh):
         assert grouped_matmul_impl(moe) == "ragged_dot"
+    assert dispatch_impl(moe, "megablox") == "all_to_all"  # measured: docs/moe.md
+    assert dispatch_impl(moe, "ragged_dot") == "all_gather"
+    assert dispatch_impl(moe.replace(dispatch="all_gather"), "megablox") == "all_gather"
 
 
 def test_load_balancing_loss_equals_transformers():
@@ -142,6 +152,8 @@ def test_config_refusals():
         MOE.replace(moe=None)
     with pytest.raises(ConfigError, match="experts_per_token"):
         MoEConfig(num_experts=2, experts_per_token=3)
+    with pytest.raises(ConfigError, match="dispatch"):
+        MoEConfig(dispatch="ring")
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         MOE.replace(moe=MOE.moe.replace(mlp_only_layers=(3,)))
     with pytest.raises(ConfigError, match="attention only") as err:
@@ -297,10 +309,49 @@ def test_megablox_per_shard_equals_one_device():
         np.testing.assert_allclose(g8, g1, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("routing", "impl"), [("top-k", "ragged_dot"), ("one device", "ragged_dot"), ("one device", "megablox")]
+)
+def test_all_to_all_dispatch_equals_one_device(routing, impl):
+    """The all-to-all dispatch over 8 devices (experts over fsdp=4, 2 each, their width over tensor=2; XLA:CPU has
+    no ragged all-to-all, so `_exchange` emulates it here) against one device's ragged_dot, value and gradients
+    (tokens, router logits, experts). "one device": every pick goes to device 0's two experts, the worst case
+    of a round's buffer (each source's M * K rows at once): nothing dropped."""
+    from jax.sharding import NamedSharding
+
+    from areal_jax.activation_sharding import activations_on
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    e, m = 8, 32
+    x, logits = jax.random.normal(keys[0], (m, D)), jax.random.normal(keys[1], (m, e))
+    if routing == "one device":
+        logits = logits.at[:, :2].add(10.0)
+    gate_up, down = 0.3 * jax.random.normal(keys[2], (e, D, 2, F)), 0.3 * jax.random.normal(keys[3], (e, F, D))
+
+    def loss(x, logits, gate_up, down, impl, dispatch):
+        weights, experts = route(logits, K, norm_topk_prob=False)
+        return jnp.sum(jnp.sin(dropless_experts(x, weights, experts, gate_up, down, impl, dispatch)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), static_argnums=(4, 5))
+    value_1, grads_1 = step(x, logits, gate_up, down, "ragged_dot", "all_gather")
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    specs = [P(("data", "fsdp")), P(("data", "fsdp")), P("fsdp", None, None, "tensor"), P("fsdp", "tensor")]
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, logits, gate_up, down), specs, strict=True)]
+    with activations_on(mesh):
+        value_8, grads_8 = step(*args, impl, "all_to_all")
+    if routing == "one device":
+        assert set(np.asarray(route(logits, K, False)[1]).ravel()) == {0, 1}
+        assert float(jnp.abs(grads_1[2][2:]).max()) == 0.0 < float(jnp.abs(grads_1[2][:2]).min())
+    np.testing.assert_allclose(value_8, value_1, rtol=1e-5)
+    for g8, g1 in zip(grads_8, grads_1, strict=True):
+        np.testing.assert_allclose(g8, g1, atol=1e-5)
+
+
 def test_compile_command_compiles_a_mixture_with_replay_for_a_tpu_slice(capsys):
     """`areal-jax compile` of a mixture under routing replay for 4 + 4 v5e chips: the trainer's programs take the
     recorded routing [M, B, L, Ym, K], and the experts compile to megablox kernels per shard on both sides (a
-    Mosaic kernel XLA had to partition would fail to compile)."""
+    Mosaic kernel XLA had to partition would fail to compile), dispatched by ragged all-to-alls (the auto
+    dispatch with megablox; XLA:CPU cannot run them, XLA:TPU lowers them) and no all-gather of the tokens."""
     pytest.importorskip("libtpu")
     from areal_jax.cli import main
 
@@ -325,6 +376,8 @@ def test_compile_command_compiles_a_mixture_with_replay_for_a_tpu_slice(capsys):
     report = json.loads(capsys.readouterr().out)
     gradient = next(p for p in report["trainer"]["programs"] if p["name"].startswith("gradient"))
     assert sum(gradient["kernels"].values()) >= 4, gradient["kernels"]  # two gmm forward, their gradients
+    # per sparse layer and round (4): the dispatch and the return, the dispatch again (remat), their gradients
+    assert gradient["collectives"]["ragged-all-to-all"]["runs"] >= 2 * 4 * 5, gradient["collectives"]
     decode = next(p for p in report["inference"]["programs"] if p["name"].startswith("decode"))
     assert sum(decode["kernels"].values()) >= 2, decode["kernels"]
 

@@ -7,6 +7,7 @@ rollout's share or on `--rollout-topology`. The roofline and its legend: `side.p
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from areal_jax.compile.agreement import agreements
@@ -17,7 +18,7 @@ from areal_jax.compile.topology import GIB, Slice, parse_slice, slice_devices
 from areal_jax.compile.trainer_programs import resident_lines, trainer_programs
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
-from areal_jax.planning.architecture import architecture, on_platform
+from areal_jax.planning.architecture import architecture, config_json, on_platform
 from areal_jax.planning.memory import USABLE_SHARE, MemoryItem, plan_memory
 from areal_jax.sharding import make_mesh, split_devices
 
@@ -32,6 +33,7 @@ class CompileReport:
     shared: bool
     trainer: SideReport
     inference: SideReport
+    shapes: str = "model.*"  # where the policy's shapes come from: `model.*` or a config.json
 
     @property
     def sides(self) -> tuple[SideReport, SideReport]:
@@ -50,6 +52,7 @@ class CompileReport:
             "rollout_topology": rollout.name,
             "rollout_topology_name": rollout.topology_name,
             "shared_chips": self.shared,
+            "shapes": self.shapes,
         }
         for side in self.sides:
             out[side.side] = side.to_json() | {
@@ -60,7 +63,7 @@ class CompileReport:
         return out
 
     def lines(self) -> list[str]:
-        out = []
+        out = [f"shapes: {self.shapes}"]
         for side, where in ((self.trainer, self.tpu_slice), (self.inference, self.rollout_slice or self.tpu_slice)):
             chip = where.chip
             out.append(
@@ -153,4 +156,8 @@ def compile_for_slice(
     engine_resident = engine.resident_lines(decode)
     trainer = side("trainer", tpu_slice, trainer_mesh, trainer_compiled, trainer_resident, trainer_plan.items)
     inference = side("inference", engine_slice, inference_mesh, engine_compiled, engine_resident, inference_plan.items)
-    return CompileReport(tpu_slice, rollout_slice, plan.shared_devices, trainer, inference)
+    source = config_json(cfg)
+    shapes = "model.*" if source is None else str(source)
+    if source is not None and cfg.hf_checkpoint is not None and source.parent != Path(cfg.hf_checkpoint):
+        shapes += f" (a copy: {cfg.hf_checkpoint} is not on this machine)"
+    return CompileReport(tpu_slice, rollout_slice, plan.shared_devices, trainer, inference, shapes)

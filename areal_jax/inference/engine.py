@@ -49,6 +49,7 @@ from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.inference.slot_cache import SlotCache, cache_shardings, check_cache_layout, empty_cache
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.hybrid import HybridDecoder
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -358,7 +359,9 @@ class Engine:
         model = nnx.merge(self.graphdef, state)
         routing = None
         cache: SlotCache | PrefixEntries
-        if self.model_config.moe is not None:
+        if self.model_config.moe is not None and isinstance(model, HybridDecoder):  # qwen3_5_moe: a HybridCache
+            logits_BxV, cache, routing = model.prefill_routed(tokens_BxT, lengths_B, self.buckets[0])
+        elif self.model_config.moe is not None:
             logits_BxV, k, v, routing = model.prefill_entries_routed(tokens_BxT, lengths_B)
             cache = PrefixEntries(k=k, v=v) if self.config.paged else KVCache.from_entries(k, v, self.buckets[0])
         elif self.config.paged:

@@ -52,7 +52,9 @@ class RopeScalingConfig(Config):
 
 
 # The families whose feed-forward is a mixture of experts (`model.moe`).
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")
+# The mixtures whose sparse block has the shared expert with its sigmoid gate.
+SHARED_EXPERT_FAMILIES = ("qwen2_moe", "qwen3_5_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +82,19 @@ class MoEConfig(Config):
         None,
         ge=1,
         doc="SwiGLU width of the shared expert every token also runs through, its output scaled by "
-        "sigmoid(x @ shared_expert_gate) (HF Qwen2-MoE / Qwen3.5-MoE; family qwen2_moe); null = none (Qwen3-MoE)",
+        "sigmoid(x @ shared_expert_gate) (HF Qwen2-MoE / Qwen3.5-MoE; families qwen2_moe, qwen3_5_moe); "
+        "null = none (Qwen3-MoE)",
     )
     grouped_matmul: Literal["auto", "ragged_dot", "megablox"] = option(
         "auto",
         doc="the experts' grouped matmul: ragged_dot (portable), megablox (Pallas, TPU); auto: megablox when "
         "the mesh's devices are TPUs, else ragged_dot",
+    )
+    dispatch: Literal["auto", "all_gather", "all_to_all"] = option(
+        "auto",
+        doc="how tokens reach the experts split over the mesh: all_gather (each device gathers its expert group's "
+        "tokens), all_to_all (each pick goes only to its expert's device, ragged all-to-all in rounds); auto: "
+        "all_to_all with megablox, else all_gather (models/moe.py, docs/moe.md)",
     )
 
     def validate(self) -> None:
@@ -99,7 +108,7 @@ class MoEConfig(Config):
 class ModelConfig(Config):
     """Architecture and numerics of the decoder."""
 
-    family: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "qwen3_5"] = option(
+    family: Literal["qwen2", "qwen3", "llama", "qwen3_moe", "qwen2_moe", "qwen3_5", "qwen3_5_moe"] = option(
         "qwen2", doc="HF architecture family"
     )
     vocab_size: int = option(256, ge=1, doc="number of token ids")
@@ -160,10 +169,12 @@ class ModelConfig(Config):
         doc="low-rank adapters on the projections: only they train and travel to the engines; null = full training",
     )
     moe: MoEConfig | None = option(
-        None, doc="the sparse layers' experts (families qwen3_moe and qwen2_moe only); null = dense"
+        None, doc="the sparse layers' experts (families qwen3_moe, qwen2_moe and qwen3_5_moe only); null = dense"
     )
     hybrid: HybridConfig | None = option(
-        None, doc="the linear- and full-attention layers of family qwen3_5 (set exactly for it; `models/hybrid.py`)"
+        None,
+        doc="the linear- and full-attention layers of families qwen3_5 and qwen3_5_moe (set exactly for them; "
+        "`models/hybrid.py`)",
     )
 
     def validate(self) -> None:
@@ -180,13 +191,14 @@ class ModelConfig(Config):
             raise ConfigError("vocab_limit", f"value {self.vocab_limit} must not exceed vocab_size={self.vocab_size}")
         if (self.family in MOE_FAMILIES) != (self.moe is not None):
             raise ConfigError("moe", f"must be set exactly when family is one of {MOE_FAMILIES} ({self.family!r})")
-        if self.moe is not None and (self.family == "qwen2_moe") != (
+        if self.moe is not None and (self.family in SHARED_EXPERT_FAMILIES) != (
             self.moe.shared_expert_intermediate_size is not None
         ):
             raise ConfigError(
                 "moe.shared_expert_intermediate_size",
-                f"must be set exactly when family is qwen2_moe (family {self.family!r}: HF's Qwen2-MoE block always "
-                "has the shared expert, Qwen3-MoE's never)",
+                f"must be set exactly when family is one of {SHARED_EXPERT_FAMILIES} (family {self.family!r}: HF's "
+                "Qwen2-MoE and Qwen3.5-MoE blocks always "
+                "have the shared expert, Qwen3-MoE's never)",
             )
         if self.moe is not None:
             bad = [i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_layers]
@@ -297,7 +309,7 @@ class ModelConfig(Config):
     def num_params(self) -> int:
         """Parameter count, embeddings and every expert included (the checkpoint's)."""
         if self.hybrid is not None:
-            return hybrid_num_params(self)
+            return hybrid_num_params(self, self._feed_forward_params(active=False))
         h, n, k = self.resolved_head_dim, self.num_heads, self.num_kv_heads
         layer = self._attention_params() + 2 * self.hidden_size
         if self.qkv_bias:
@@ -326,7 +338,7 @@ class ModelConfig(Config):
         """Forward FLOPs per token: 2 per weight in matmuls (the routed experts only) plus causal attention over
         `context_length`."""
         if self.hybrid is not None:
-            return hybrid_matmul_flops_per_token(self, context_length)
+            return hybrid_matmul_flops_per_token(self, context_length, self._feed_forward_params(active=True))
         h, n = self.resolved_head_dim, self.num_heads
         weights = self.num_layers * self._attention_params() + self._feed_forward_params(active=True)
         weights += self.hidden_size * self.vocab_size

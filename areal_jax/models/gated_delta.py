@@ -103,15 +103,18 @@ def chunk_gated_delta_rule(
     reads_state_BxJx1xC = (seg_BxJxC == carried_BxJ[:, :, None])[:, :, None, :]
     same_BxJx1xCxC = (seg_BxJxC[:, :, :, None] == seg_BxJxC[:, :, None, :])[:, :, None]
     causal_CxC = jnp.tril(jnp.ones((chunk, chunk), bool))
+    strictly_lower_CxC = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     pairs_BxJx1xCxC = same_BxJx1xCxC & causal_CxC[None, None, None]
 
     cum_BxJxHxC = jnp.cumsum(g_BxJxHxC, axis=-1)
-    # exp(cum_i - cum_j): the decay from token j to token i; -inf before exp where masked (no overflow)
-    diff_BxJxHxCxC = cum_BxJxHxC[..., :, None] - cum_BxJxHxC[..., None, :]
-    decay_BxJxHxCxC = jnp.exp(jnp.where(pairs_BxJx1xCxC, diff_BxJxHxCxC, -jnp.inf))
+    # The log decay from token j to token i: g summed over (j, i] from j on (Mamba-2's segment sum), not cum_i -
+    # cum_j, whose rounding is ~|cum| eps however close the two tokens (strong gates take cum to -500 within a
+    # chunk of 64: a decay near 1 off by ~3e-5 in fp32). -inf before exp where masked (no overflow).
+    after_BxJxHxCxC = jnp.where(strictly_lower_CxC, g_BxJxHxC[..., :, None], 0.0)
+    span_BxJxHxCxC = jnp.cumsum(after_BxJxHxCxC, axis=-2)
+    decay_BxJxHxCxC = jnp.exp(jnp.where(pairs_BxJx1xCxC, span_BxJxHxCxC, -jnp.inf))
     k_beta_BxJxHxCxK = k_BxJxHxCxK * beta_BxJxHxC[..., None]
     v_beta_BxJxHxCxV = v_BxJxHxCxV * beta_BxJxHxC[..., None]
-    strictly_lower_CxC = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system_BxJxHxCxC = jnp.einsum("bjhik,bjhsk->bjhis", k_beta_BxJxHxCxK, k_BxJxHxCxK) * decay_BxJxHxCxC
     system_BxJxHxCxC = (
         jnp.where(strictly_lower_CxC[None, None, None], system_BxJxHxCxC, 0.0)
@@ -130,7 +133,7 @@ def chunk_gated_delta_rule(
     # decayed through the chunk when no reset lies in it.
     last_BxJxHx1 = cum_BxJxHxC[..., -1:]
     in_last_BxJx1xC = (seg_BxJxC == seg_BxJxC[:, :, -1:])[:, :, None, :]
-    k_end_BxJxHxCxK = k_BxJxHxCxK * (jnp.exp(last_BxJxHx1 - cum_BxJxHxC) * in_last_BxJx1xC)[..., None]
+    k_end_BxJxHxCxK = k_BxJxHxCxK * (jnp.exp(span_BxJxHxCxC[..., -1, :]) * in_last_BxJx1xC)[..., None]
     state_decay_BxJxH = jnp.exp(last_BxJxHx1[..., 0]) * reads_state_BxJx1xC[..., -1]
 
     def step(state_BxHxKxV: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:

@@ -7,12 +7,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from areal_jax.models.config import CHECKPOINT_DTYPES, MOE_FAMILIES, ModelConfig, MoEConfig, RopeScalingConfig
+from areal_jax.models.config import (
+    CHECKPOINT_DTYPES,
+    MOE_FAMILIES,
+    SHARED_EXPERT_FAMILIES,
+    ModelConfig,
+    MoEConfig,
+    RopeScalingConfig,
+)
 from areal_jax.models.hybrid_io import (
-    MULTIMODAL_ARCHITECTURE,
+    MULTIMODAL_ARCHITECTURES,
+    hybrid_family,
     hybrid_fields_from_hf,
     hybrid_fields_to_hf,
-    is_hybrid,
     text_config,
 )
 
@@ -23,8 +30,9 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
-_FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()} | {MULTIMODAL_ARCHITECTURE: "qwen3_5"}
+_FAMILY_BY_ARCH = {arch: family for family, arch in ARCHITECTURES.items()} | MULTIMODAL_ARCHITECTURES
 
 
 class CheckpointError(ValueError):
@@ -46,8 +54,8 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
     hf = text_config(hf)  # a multimodal checkpoint's text model
     archs = hf.get("architectures") or []
     family = _FAMILY_BY_ARCH.get(archs[0]) if archs else hf.get("model_type")
-    if family is None and is_hybrid(hf):
-        family = "qwen3_5"
+    if family is None:
+        family = hybrid_family(hf)
     if family not in ARCHITECTURES:
         raise CheckpointError(
             f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(ARCHITECTURES.values())}"
@@ -77,7 +85,8 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         "family": family,
         "vocab_size": hf["vocab_size"],
         "hidden_size": hf["hidden_size"],
-        "intermediate_size": hf["intermediate_size"],
+        # Qwen3.5-MoE has no dense MLP (HF's config has no such key): the experts' width stands in, unused
+        "intermediate_size": hf["intermediate_size"] if family != "qwen3_5_moe" else _dense_width(hf),
         "num_layers": hf["num_hidden_layers"],
         "num_heads": hf["num_attention_heads"],
         "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
@@ -94,7 +103,7 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
     }
     if family in MOE_FAMILIES:
         fields["moe"] = _moe_config_from_hf(hf, family)
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         fields.update(hybrid_fields_from_hf(hf))
     fields.update(overrides)
     return ModelConfig(**fields)
@@ -108,21 +117,43 @@ def _qkv_bias(family: str, hf: Mapping[str, Any]) -> bool:
     return bool(hf.get("attention_bias", False))
 
 
+def _dense_width(hf: Mapping[str, Any]) -> int:
+    return int(hf.get("intermediate_size") or _moe_width(hf))
+
+
+def _moe_width(hf: Mapping[str, Any]) -> int:
+    if not hf.get("moe_intermediate_size"):
+        raise CheckpointError("a mixture-of-experts config.json without moe_intermediate_size is not supported")
+    return int(hf["moe_intermediate_size"])
+
+
 def _moe_config_from_hf(hf: Mapping[str, Any], family: str) -> MoEConfig:
     num_experts = hf.get("num_experts") or hf.get("num_local_experts")
     if not num_experts:
         raise CheckpointError(f"a {family} config.json without num_experts (a dense model?) is not supported")
-    shared = hf.get("shared_expert_intermediate_size") if family == "qwen2_moe" else None
-    if family == "qwen2_moe" and not shared:
-        raise CheckpointError("a qwen2_moe config.json without shared_expert_intermediate_size is not supported")
+    shared = hf.get("shared_expert_intermediate_size") if family in SHARED_EXPERT_FAMILIES else None
+    if family in SHARED_EXPERT_FAMILIES and not shared:
+        raise CheckpointError(f"a {family} config.json without shared_expert_intermediate_size is not supported")
+    if family == "qwen3_5_moe":
+        # HF's Qwen3.5-MoE renormalises the top-k always and makes every layer sparse: it drops these keys
+        if hf.get("norm_topk_prob") is False:
+            raise CheckpointError(
+                "norm_topk_prob=false in a qwen3_5_moe config.json: transformers' Qwen3.5-MoE router renormalises "
+                "the top-k whatever it says, so the checkpoint's intended routing is ambiguous"
+            )
+        sparse: dict[str, Any] = {"norm_topk_prob": True}
+    else:
+        sparse = {
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(hf.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        }
     return MoEConfig(
         shared_expert_intermediate_size=int(shared) if shared else None,
         num_experts=int(num_experts),
         experts_per_token=int(hf["num_experts_per_tok"]),
-        expert_intermediate_size=int(hf["moe_intermediate_size"]),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        expert_intermediate_size=_moe_width(hf),
+        **sparse,
     )
 
 
@@ -160,7 +191,9 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         hf.update(attention_bias=cfg.qkv_bias)
     elif cfg.moe is not None:
         if cfg.family == "qwen2_moe":
-            hf.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe.shared_expert_intermediate_size)
+            hf.update(qkv_bias=cfg.qkv_bias)
+        if cfg.moe.shared_expert_intermediate_size is not None:
+            hf.update(shared_expert_intermediate_size=cfg.moe.shared_expert_intermediate_size)
         hf.update(
             attention_bias=cfg.qkv_bias,
             use_sliding_window=False,
@@ -174,6 +207,8 @@ def model_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             router_aux_loss_coef=cfg.moe.router_aux_loss_coef,
             output_router_logits=False,
         )
+        if cfg.hybrid is not None:  # qwen3_5_moe
+            hf.update(hybrid_fields_to_hf(cfg))
     elif cfg.hybrid is not None:
         hf.update(hybrid_fields_to_hf(cfg))
     else:

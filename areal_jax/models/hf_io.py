@@ -31,7 +31,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_config import CheckpointError, checkpoint_dtype, model_config_from_hf, model_config_to_hf
 from areal_jax.models.hybrid import new_decoder
-from areal_jax.models.hybrid_io import hybrid_tensor_table, text_model_view
+from areal_jax.models.hybrid_io import hybrid_tensor_table, moe_tensor_table, text_model_view
 from areal_jax.models.init import fresh_adapters
 from areal_jax.models.lora import adapter_free
 from areal_jax.progress import Progress
@@ -135,15 +135,9 @@ def tensor_mappings(cfg: ModelConfig) -> dict[PathParts, TensorMapping]:
     if not cfg.tie_word_embeddings:
         table[("lm_head",)] = (("lm_head.weight",), transpose, False)
     layers_of: dict[PathParts, tuple[int, ...] | None] = {}
-    if cfg.moe is not None:
-        table.update(_expert_tables(cfg.moe.num_experts, layer + "mlp."))
-        if cfg.moe.shared_expert_intermediate_size is not None:  # Qwen2-MoE's shared expert and its [1, D] gate
-            shared = layer + "mlp.shared_expert."
-            shared_gate_up = (shared + "gate_proj.weight", shared + "up_proj.weight")
-            table[("layers", "moe", "shared_gate_up")] = (shared_gate_up, gate_up, True)
-            table[("layers", "moe", "shared_down")] = ((shared + "down_proj.weight",), transpose, True)
-            gate = _one(lambda w: w.reshape(-1), lambda w: w.reshape(1, -1))
-            table[("layers", "moe", "shared_gate")] = ((layer + "mlp.shared_expert_gate.weight",), gate, True)
+    if cfg.moe is not None:  # the router, the experts and Qwen2-MoE's shared expert with its gate
+        for path, (names, fns) in moe_tensor_table(cfg.moe, layer + "mlp.").items():
+            table[("layers", "moe", *path)] = (names, fns, True)
         sparse = cfg.sparse_layers
         dense_layers = tuple(i for i, is_sparse in enumerate(sparse) if not is_sparse)
         sparse_layers = tuple(i for i, is_sparse in enumerate(sparse) if is_sparse)
@@ -161,29 +155,6 @@ def tensor_mappings(cfg: ModelConfig) -> dict[PathParts, TensorMapping]:
     return {
         path: TensorMapping(names, fns[0], fns[1], per_layer, layers_of.get(path))
         for path, (names, fns, per_layer) in table.items()
-    }
-
-
-def _expert_tables(num_experts: int, mlp: str) -> dict[tuple[str, ...], tuple[tuple[str, ...], tuple, bool]]:
-    """The router ([E, D] in HF, [D, E] ours) and the experts, one HF tensor per expert ([F, D] gate and up,
-    [D, F] down), stacked on our leading `expert` axis."""
-    experts = range(num_experts)
-    gate_up_names = tuple(
-        mlp + f"experts.{e}.{proj}_proj.weight" for e in experts for proj in ("gate", "up")
-    )  # gate_0, up_0, gate_1, ...
-
-    def gate_up(ws: list[np.ndarray]) -> np.ndarray:  # [F, D] x 2E -> [E, D, 2, F]
-        return np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(ws[0::2], ws[1::2], strict=True)])
-
-    def gate_up_to_hf(w: np.ndarray) -> list[np.ndarray]:
-        return [w[e, :, c].T for e in experts for c in (0, 1)]
-
-    down_names = tuple(mlp + f"experts.{e}.down_proj.weight" for e in experts)
-    down = (lambda ws: np.stack([w.T for w in ws]), lambda w: [w[e].T for e in experts])  # [D, F] x E <-> [E, F, D]
-    return {
-        ("layers", "moe", "router"): ((mlp + "gate.weight",), _one(lambda w: w.T, lambda w: w.T), True),
-        ("layers", "moe", "gate_up"): (gate_up_names, (gate_up, gate_up_to_hf), True),
-        ("layers", "moe", "down"): (down_names, down, True),
     }
 
 

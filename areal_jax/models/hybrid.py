@@ -1,11 +1,15 @@
-"""The Qwen3.5 (`qwen3_5`) decoder: Gated DeltaNet linear-attention layers beside gated full-attention layers.
+"""The Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) decoder: Gated DeltaNet linear-attention layers beside gated
+full-attention layers; in `qwen3_5_moe` every layer's feed-forward is the mixture of experts (`moe.MoEBlock`, with
+the shared expert and its sigmoid gate) in place of the MLP.
 
 `HybridDecoder` is a `Decoder` whose layers come in two stacks, one per kind (`linear_layers`,
 `full_layers`, each on a leading `layers` axis), run in `hybrid.layer_types` order. The packed-row path
 (`hidden_states`, `logits`, `token_logprobs`) is the `Decoder`'s; sequences packed in a row are kept apart by
 the attention mask in the full layers and by resetting the recurrent state and the convolution window at each
 sequence's start in the linear ones (`gated_delta.py`). The layers are scanned one period of the pattern at a
-time (Qwen3.5's 3 linear + 1 full: a depth-independent compile); an irregular pattern is one period.
+time (Qwen3.5's 3 linear + 1 full: a depth-independent compile); an irregular pattern is one period. A mixture's
+routers come out of the scan per layer, in layer order (`_run_rows_routed`: every layer is a sparse layer), and
+recorded routing goes in the same way (routing replay).
 
 Qwen3.5's RMSNorms scale by (1 + weight), the weight initialised at zero, except the gated norm inside the
 linear layers (weight, initialised at one). Full attention: q/k RMSNorm, RoPE on the first
@@ -43,6 +47,7 @@ from areal_jax.models.gated_delta import (
 )
 from areal_jax.models.hybrid_serving import HybridCache
 from areal_jax.models.layers import RMSNorm, SwiGLU, _const, _param
+from areal_jax.models.moe import MoEBlock, RouterOutput
 from areal_jax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 _NOT_PAGED = (
@@ -226,32 +231,59 @@ class GatedAttention(nnx.Module):
         return self.output(out_BxTxNxH, gate_BxTxNxH)
 
 
-class LinearAttentionLayer(nnx.Module):
-    """Pre-norm block: Gated DeltaNet, then the MLP."""
+class _FeedForwardHalf(nnx.Module):
+    """A block's second half: the post-attention norm, then the MLP, or with `model.moe` (`qwen3_5_moe`) the
+    experts (`mlp` None) in its place."""
+
+    def _init_feed_forward(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.post_attention_norm = OffsetRMSNorm(cfg.hidden_size, cfg)
+        self.mlp = None if cfg.moe is not None else SwiGLU(cfg, rngs)
+        self.moe = MoEBlock(cfg, rngs) if cfg.moe is not None else None
+
+    def feed_forward(
+        self, h_BxTxD: jax.Array, replay_BxTxK: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterOutput | None]:
+        """The feed-forward's output [B, T, D] (before the residual) and its router's (None when dense); with
+        `replay_BxTxK` each token goes through those experts (`MoEBlock.routed`)."""
+        normed_BxTxD = self.post_attention_norm(h_BxTxD)
+        if self.moe is not None:
+            return self.moe.routed(normed_BxTxD, replay_BxTxK)
+        assert self.mlp is not None
+        return self.mlp(normed_BxTxD), None
+
+
+class LinearAttentionLayer(_FeedForwardHalf):
+    """Pre-norm block: Gated DeltaNet, then the MLP (or the experts)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.input_norm = OffsetRMSNorm(cfg.hidden_size, cfg)
         self.mixer = GatedDeltaNet(cfg, rngs)
-        self.post_attention_norm = OffsetRMSNorm(cfg.hidden_size, cfg)
-        self.mlp = SwiGLU(cfg, rngs)
+        self._init_feed_forward(cfg, rngs)
 
-    def __call__(self, x_BxTxD: jax.Array, reset_BxT: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BxTxD: jax.Array, reset_BxT: jax.Array, replay_BxTxK: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterOutput | None]:
+        """The block's output and its router's (`feed_forward`)."""
         h_BxTxD = x_BxTxD + self.mixer(self.input_norm(x_BxTxD), reset_BxT)
-        return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD))
+        out_BxTxD, router = self.feed_forward(h_BxTxD, replay_BxTxK)
+        return h_BxTxD + out_BxTxD, router
 
 
-class FullAttentionLayer(nnx.Module):
-    """Pre-norm block: gated full attention, then the MLP."""
+class FullAttentionLayer(_FeedForwardHalf):
+    """Pre-norm block: gated full attention, then the MLP (or the experts)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.input_norm = OffsetRMSNorm(cfg.hidden_size, cfg)
         self.attn = GatedAttention(cfg, rngs)
-        self.post_attention_norm = OffsetRMSNorm(cfg.hidden_size, cfg)
-        self.mlp = SwiGLU(cfg, rngs)
+        self._init_feed_forward(cfg, rngs)
 
-    def __call__(self, x_BxTxD: jax.Array, *attention_args: Any) -> jax.Array:
+    def __call__(
+        self, x_BxTxD: jax.Array, *attention_args: Any, replay_BxTxK: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterOutput | None]:
+        """The block's output and its router's (`feed_forward`)."""
         h_BxTxD = x_BxTxD + self.attn(self.input_norm(x_BxTxD), *attention_args)
-        return h_BxTxD + self.mlp(self.post_attention_norm(h_BxTxD))
+        out_BxTxD, router = self.feed_forward(h_BxTxD, replay_BxTxK)
+        return h_BxTxD + out_BxTxD, router
 
 
 def _stack(
@@ -270,8 +302,8 @@ def _stack(
 
 
 class HybridDecoder(Decoder):
-    """Qwen3.5 decoder-only language model (HF `Qwen3_5ForCausalLM`, or the text model of
-    `Qwen3_5ForConditionalGeneration`)."""
+    """Qwen3.5 decoder-only language model (HF `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`, or the text model of
+    `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         hy = cfg.hybrid
@@ -299,6 +331,20 @@ class HybridDecoder(Decoder):
         dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
         """Every layer over packed or right-padded rows: the last layer's output [B, T, D] (not normed)."""
+        x_BxTxD, _, _ = self._run_rows_routed(tokens_BxT, segment_ids_BxT, positions_BxT, keep_kv, dropout_key)
+        return x_BxTxD, None
+
+    def _run_rows_routed(
+        self,
+        tokens_BxT: jax.Array,
+        segment_ids_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        keep_kv: bool,
+        dropout_key: jax.Array | None = None,
+        replay_BxTxYmxK: jax.Array | None = None,
+    ) -> tuple[jax.Array, None, RouterOutput | None]:
+        """`_run_rows` and, for `qwen3_5_moe`, every layer's router (`RouterOutput`, fields [Y, B, T, ...] in layer
+        order; None when dense); with `replay_BxTxYmxK` each layer routes each token to those experts."""
         if keep_kv:
             raise NotImplementedError(_NOT_PAGED)
         cfg, hy = self.config, self.config.hybrid
@@ -317,20 +363,36 @@ class HybridDecoder(Decoder):
                 graphdefs[kind], state = nnx.split(module)
                 per = kinds.count(kind)
                 stacks[kind] = jax.tree.map(lambda w, per=per: w.reshape(repeats, per, *w.shape[1:]), state)
+        replay_RxPxBxTxK = None
+        if replay_BxTxYmxK is not None:  # every layer is sparse: Ym = Y, in layer order
+            replay_YxBxTxK = jnp.moveaxis(replay_BxTxYmxK, 2, 0).astype(jnp.int32)
+            replay_RxPxBxTxK = replay_YxBxTxK.reshape(repeats, period, *replay_YxBxTxK.shape[1:])
 
-        def step(x_BxTxD: jax.Array, period_states: dict[str, nnx.State]) -> tuple[jax.Array, None]:
+        def step(
+            x_BxTxD: jax.Array, xs: tuple[dict[str, nnx.State], jax.Array | None]
+        ) -> tuple[jax.Array, RouterOutput | None]:
+            period_states, replay_PxBxTxK = xs
             seen = dict.fromkeys(period_states, 0)
-            for kind in kinds:
+            routers = []
+            for j, kind in enumerate(kinds):
                 state = jax.tree.map(lambda w, i=seen[kind]: w[i], period_states[kind])
                 seen[kind] += 1
                 layer = nnx.merge(graphdefs[kind], state)
-                x_BxTxD = layer(x_BxTxD, *mixer_args[kind])
-            return x_BxTxD, None
+                replay = None if replay_PxBxTxK is None else replay_PxBxTxK[j]
+                x_BxTxD, router = layer(x_BxTxD, *mixer_args[kind], replay_BxTxK=replay)
+                routers.append(router)
+            if cfg.moe is None:
+                return x_BxTxD, None
+            return x_BxTxD, RouterOutput(*(jnp.stack(field) for field in zip(*routers, strict=True)))
 
         if cfg.remat != "none":
             step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat])
-        x_BxTxD, _ = jax.lax.scan(step, self._embed(tokens_BxT), stacks, unroll=not cfg.scans_layers())
-        return x_BxTxD, None
+        x_BxTxD, routers = jax.lax.scan(
+            step, self._embed(tokens_BxT), (stacks, replay_RxPxBxTxK), unroll=not cfg.scans_layers()
+        )
+        if routers is None:
+            return x_BxTxD, None, None
+        return x_BxTxD, None, RouterOutput(*(f.reshape(cfg.num_layers, *f.shape[2:]) for f in routers))
 
     # -- serving (`hybrid_serving.py`): the same calls as the `Decoder`'s, over a `HybridCache` ---------------
 
@@ -339,6 +401,12 @@ class HybridDecoder(Decoder):
     ) -> tuple[jax.Array, HybridCache]:
         """Right-padded prompts: fp32 logits [B, V] at each last real token and the cache decoding continues from."""
         return hybrid_serving.prefill(self, tokens_BxT, lengths_B, first_segment)
+
+    def prefill_routed(
+        self, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
+    ) -> tuple[jax.Array, HybridCache, jax.Array | None]:
+        """`prefill` and each position's experts [B, T, Y, K] (`qwen3_5_moe`; None when dense)."""
+        return hybrid_serving.prefill_routed(self, tokens_BxT, lengths_B, first_segment)
 
     def prefill_entries(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> NoReturn:
         raise NotImplementedError(_NOT_PAGED)
@@ -358,10 +426,21 @@ class HybridDecoder(Decoder):
         """One token per slot: fp32 logits [B, V] and the cache moved on by it (`hybrid_serving.decode_step`)."""
         return hybrid_serving.decode_step(self, tokens_B, positions_B, cache, attend_length, layer_states)
 
+    def decode_step_routed(  # type: ignore[override]  # the cache is a HybridCache
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        cache: HybridCache,
+        attend_length: int | None = None,
+        layer_states: Sequence[nnx.State] | None = None,
+    ) -> tuple[jax.Array, HybridCache, jax.Array | None]:
+        """`decode_step` and each fed token's experts [B, Y, K] (`qwen3_5_moe`; None when dense)."""
+        return hybrid_serving.decode_step_routed(self, tokens_B, positions_B, cache, attend_length, layer_states)
+
     def decode_step_paged(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(_NOT_PAGED)
 
 
 def new_decoder(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:
-    """The decoder of `cfg`'s family: `HybridDecoder` for `qwen3_5`, else `Decoder`."""
+    """The decoder of `cfg`'s family: `HybridDecoder` for `qwen3_5` and `qwen3_5_moe`, else `Decoder`."""
     return HybridDecoder(cfg, rngs) if cfg.hybrid is not None else Decoder(cfg, rngs)

@@ -1,5 +1,5 @@
-"""`model.hybrid`: the Qwen3.5 (`qwen3_5`) layer stack, Gated DeltaNet linear attention beside gated full
-attention (a leaf of `ModelConfig`, checked against it there)."""
+"""`model.hybrid`: the Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) layer stack, Gated DeltaNet linear attention beside
+gated full attention (a leaf of `ModelConfig`, checked against it there)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any, Literal, Protocol
 from areal_jax.configuration import Config, ConfigError, option
 
 LayerType = Literal["linear_attention", "full_attention"]
+# The families built of these layers: the dense one, and the mixture whose every layer's feed-forward is `moe`.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
 class ModelDims(Protocol):
@@ -20,6 +22,8 @@ class ModelDims(Protocol):
     def hybrid(self) -> HybridConfig | None: ...
     @property
     def lora(self) -> Any: ...
+    @property
+    def moe(self) -> Any: ...
     @property
     def qkv_bias(self) -> bool: ...
     @property
@@ -88,12 +92,22 @@ class HybridConfig(Config):
 
 
 def check_hybrid(cfg: ModelDims) -> None:
-    """Refuse a `qwen3_5` config without `hybrid` (or the other way round) and settings the stack lacks."""
+    """Refuse a `qwen3_5` / `qwen3_5_moe` config without `hybrid` (or the other way round) and settings the stack
+    lacks."""
     hybrid = cfg.hybrid
-    if (cfg.family == "qwen3_5") != (hybrid is not None):
-        raise ConfigError("hybrid", f"is set exactly when family is 'qwen3_5' (family {cfg.family!r})")
+    if (cfg.family in HYBRID_FAMILIES) != (hybrid is not None):
+        raise ConfigError("hybrid", f"is set exactly when family is one of {HYBRID_FAMILIES} (family {cfg.family!r})")
     if hybrid is None:
         return
+    moe = cfg.moe
+    if moe is not None:  # HF Qwen3.5-MoE: every layer sparse, the top-k always renormalised
+        if moe.decoder_sparse_step != 1 or moe.mlp_only_layers:
+            key = "moe.decoder_sparse_step" if moe.decoder_sparse_step != 1 else "moe.mlp_only_layers"
+            raise ConfigError(key, f"must leave every layer sparse for family {cfg.family!r} (1 and [])")
+        if not moe.norm_topk_prob:
+            raise ConfigError(
+                "moe.norm_topk_prob", f"must be true for family {cfg.family!r} (HF's router always renormalises)"
+            )
     if len(hybrid.layer_types) != cfg.num_layers:
         raise ConfigError(
             "hybrid.layer_types", f"has {len(hybrid.layer_types)} entries, expected num_layers={cfg.num_layers}"
@@ -106,41 +120,42 @@ def check_hybrid(cfg: ModelDims) -> None:
             "must be an even number >= 2",
         )
     if cfg.lora is not None:
-        raise ConfigError("lora", "is not supported for family 'qwen3_5' yet (issue 37); use null")
+        raise ConfigError("lora", f"is not supported for family {cfg.family!r} yet (issue 37); use null")
     if cfg.qkv_bias:
-        raise ConfigError("qkv_bias", "is not supported for family 'qwen3_5' (HF attention_bias); use false")
+        raise ConfigError("qkv_bias", f"is not supported for family {cfg.family!r} (HF attention_bias); use false")
 
 
-def hybrid_num_params(cfg: ModelDims) -> int:
-    """Parameter count of a `qwen3_5` decoder, embeddings included."""
+def hybrid_num_params(cfg: ModelDims, feed_forward: int) -> int:
+    """Parameter count of a `qwen3_5` / `qwen3_5_moe` decoder, embeddings included; `feed_forward`: all layers'
+    MLPs or experts (`ModelConfig._feed_forward_params`)."""
     assert cfg.hybrid is not None
     hy = cfg.hybrid
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
+    d, h = cfg.hidden_size, cfg.resolved_head_dim
     n, k = cfg.num_heads, cfg.num_kv_heads
     nk, nv = hy.linear_num_key_heads, hy.linear_num_value_heads
     full = d * 2 * n * h + 2 * d * k * h + n * h * d + 2 * h
     channels = nk * hy.group_width
     linear = d * channels + hy.conv_kernel * channels + d * nv * hy.linear_value_head_dim * 2 + 2 * d * nv
     linear += 2 * nv + hy.linear_value_head_dim
-    mlp_and_norms = 3 * d * f + 2 * d
     layers = hy.count("full_attention") * full + hy.count("linear_attention") * linear
     head = 0 if cfg.tie_word_embeddings else d * cfg.vocab_size
-    return cfg.vocab_size * d + layers + cfg.num_layers * mlp_and_norms + d + head
+    return cfg.vocab_size * d + layers + feed_forward + cfg.num_layers * 2 * d + d + head
 
 
-def hybrid_matmul_flops_per_token(cfg: ModelDims, context_length: int) -> int:
-    """Forward FLOPs per token of a `qwen3_5` decoder: 2 per matmul weight, causal attention over
-    `context_length` in the full-attention layers, and each linear layer's state read and update (about
-    6 K V per value head: decay, correction, write and read)."""
+def hybrid_matmul_flops_per_token(cfg: ModelDims, context_length: int, feed_forward: int) -> int:
+    """Forward FLOPs per token of a `qwen3_5` / `qwen3_5_moe` decoder: 2 per matmul weight (`feed_forward`: the
+    MLP or router and experts weights one token uses, all layers'), causal attention over `context_length` in the
+    full-attention layers, and each linear layer's state read and update (about 6 K V per value head: decay,
+    correction, write and read)."""
     assert cfg.hybrid is not None
     hy = cfg.hybrid
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.resolved_head_dim
+    d, h = cfg.hidden_size, cfg.resolved_head_dim
     n, k = cfg.num_heads, cfg.num_kv_heads
     nv = hy.linear_num_value_heads
     full = d * 2 * n * h + 2 * d * k * h + n * h * d
     linear = d * hy.linear_num_key_heads * hy.group_width + 2 * d * nv * hy.linear_value_head_dim + 2 * d * nv
     weights = hy.count("full_attention") * full + hy.count("linear_attention") * linear
-    weights += cfg.num_layers * 3 * d * f + d * cfg.vocab_size
+    weights += feed_forward + d * cfg.vocab_size
     attention = hy.count("full_attention") * 2 * n * h * context_length
     recurrence = hy.count("linear_attention") * 6 * nv * hy.linear_key_head_dim * hy.linear_value_head_dim
     return 2 * weights + attention + recurrence

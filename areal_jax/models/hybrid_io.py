@@ -1,6 +1,8 @@
-"""HF Qwen3.5 (`qwen3_5`) checkpoints: the config fields, the tensor layout of `HybridDecoder`, and the text model
-inside the multimodal layout (`Qwen3_5ForConditionalGeneration`: `text_config`, `model.language_model.*`, a
-vision tower that is skipped). `hf_io` reads and writes through these.
+"""HF Qwen3.5 (`qwen3_5`, `qwen3_5_moe`) checkpoints: the config fields, the tensor layout of `HybridDecoder`, and
+the text model inside the multimodal layout (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`:
+`text_config`, `model.language_model.*`, a vision tower that is skipped). Also the layout of a `MoEBlock`
+(`moe_tensor_table`: one HF tensor per expert, as transformers writes them), which `hf_io` uses for the Qwen-MoE
+families too. `hf_io` reads and writes through these.
 
 Legend as in `hybrid.py`: D model width, A linear key heads, L linear value heads, E / V their head dims,
 J = 2E + (L / A) V, W convolution width, K key/value heads, G = N / K, H head dim, C fused q/k/v channels.
@@ -14,13 +16,23 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import ModelConfig, MoEConfig
 from areal_jax.models.hybrid_config import HybridConfig, LayerType
 
 logger = logging.getLogger(__name__)
 
-MULTIMODAL_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
-TEXT_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+# our family -> its text model's HF architecture, its multimodal wrapper, its HF model types
+TEXT_ARCHITECTURES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+MULTIMODAL_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+}
+TEXT_MODEL_TYPES = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
 _LANGUAGE_MODEL = "model.language_model."
 _VISION = ("model.visual.",)
 
@@ -29,10 +41,12 @@ TensorTable = dict[tuple[str, ...], tuple[tuple[str, ...], tuple[Callable, Calla
 T = TypeVar("T")
 
 
-def is_hybrid(hf: Mapping[str, Any]) -> bool:
-    """Whether an HF `config.json` dict is a Qwen3.5 (text or multimodal) checkpoint."""
+def hybrid_family(hf: Mapping[str, Any]) -> str | None:
+    """`qwen3_5` or `qwen3_5_moe` for an HF `config.json` dict of a Qwen3.5 (text or multimodal) checkpoint, else
+    None."""
     archs = hf.get("architectures") or []
-    return hf.get("model_type") in TEXT_MODEL_TYPES or (bool(archs) and archs[0].startswith("Qwen3_5For"))
+    by_arch = {arch: family for family, arch in TEXT_ARCHITECTURES.items()} | MULTIMODAL_ARCHITECTURES
+    return (by_arch.get(archs[0]) if archs else None) or TEXT_MODEL_TYPES.get(hf.get("model_type", ""))
 
 
 def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -44,7 +58,8 @@ def text_config(hf: Mapping[str, Any]) -> dict[str, Any]:
     for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
         if key in hf and key not in text:
             text[key] = hf[key]
-    text["architectures"] = ["Qwen3_5ForCausalLM"]
+    family = hybrid_family(hf) or hybrid_family(text) or "qwen3_5"
+    text["architectures"] = [TEXT_ARCHITECTURES[family]]
     return text
 
 
@@ -86,11 +101,12 @@ def hybrid_fields_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The `Qwen3_5TextConfig` fields particular to `qwen3_5` (a text-only `Qwen3_5ForCausalLM` checkpoint)."""
+    """The `Qwen3_5TextConfig` / `Qwen3_5MoeTextConfig` fields particular to `qwen3_5` / `qwen3_5_moe` (a text-only
+    `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` checkpoint)."""
     hy = cfg.hybrid
     assert hy is not None
     return {
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_moe_text" if cfg.moe is not None else "qwen3_5_text",
         "attention_bias": False,
         "layer_types": list(hy.layer_types),
         "linear_num_key_heads": hy.linear_num_key_heads,
@@ -108,6 +124,37 @@ def hybrid_fields_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def _one(to_ours: Callable[[np.ndarray], np.ndarray], to_hf: Callable[[np.ndarray], np.ndarray]) -> tuple:
     return (lambda ws: to_ours(ws[0]), lambda w: [to_hf(w)])
+
+
+def moe_tensor_table(moe: MoEConfig, mlp: str) -> dict[tuple[str, ...], tuple[tuple[str, ...], tuple]]:
+    """A `MoEBlock`'s parameters (paths under the block) -> their HF names under `mlp` (with `{i}` for the layer) and
+    conversions: the router ([E, D] in HF, [D, E] ours), one HF tensor per expert ([F, D] gate and up, [D, F] down)
+    stacked on our leading `expert` axis, and the shared expert with its [1, D] gate when the block has one."""
+    experts = range(moe.num_experts)
+    gate_up_names = tuple(f"{mlp}experts.{e}.{proj}_proj.weight" for e in experts for proj in ("gate", "up"))
+
+    def experts_gate_up(ws: list[np.ndarray]) -> np.ndarray:  # [F, D] x 2E (gate_0, up_0, gate_1, ...) -> [E, D, 2, F]
+        return np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(ws[0::2], ws[1::2], strict=True)])
+
+    def experts_gate_up_to_hf(w: np.ndarray) -> list[np.ndarray]:
+        return [w[e, :, c].T for e in experts for c in (0, 1)]
+
+    down_names = tuple(f"{mlp}experts.{e}.down_proj.weight" for e in experts)
+    down = (lambda ws: np.stack([w.T for w in ws]), lambda w: [w[e].T for e in experts])  # [D, F] x E <-> [E, F, D]
+    table: dict[tuple[str, ...], tuple[tuple[str, ...], tuple]] = {
+        ("router",): ((mlp + "gate.weight",), _one(lambda w: w.T, lambda w: w.T)),
+        ("gate_up",): (gate_up_names, (experts_gate_up, experts_gate_up_to_hf)),
+        ("down",): (down_names, down),
+    }
+    if moe.shared_expert_intermediate_size is not None:
+        shared = mlp + "shared_expert."
+        # [S, D] x 2 <-> [D, 2, S]
+        gate_up = (lambda ws: np.stack([w.T for w in ws], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
+        table[("shared_gate_up",)] = ((shared + "gate_proj.weight", shared + "up_proj.weight"), gate_up)
+        table[("shared_down",)] = ((shared + "down_proj.weight",), _one(lambda w: w.T, lambda w: w.T))
+        gate = _one(lambda w: w.reshape(-1), lambda w: w.reshape(1, -1))
+        table[("shared_gate",)] = ((mlp + "shared_expert_gate.weight",), gate)
+    return table
 
 
 def hybrid_tensor_table(cfg: ModelConfig) -> TensorTable:
@@ -163,9 +210,12 @@ def hybrid_tensor_table(cfg: ModelConfig) -> TensorTable:
         common: dict[tuple[str, ...], tuple[tuple[str, ...], tuple]] = {
             ("input_norm", "weight"): ((layer + "input_layernorm.weight",), identity),
             ("post_attention_norm", "weight"): ((layer + "post_attention_layernorm.weight",), identity),
-            ("mlp", "gate_up"): ((layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), gate_up),
-            ("mlp", "down"): ((layer + "mlp.down_proj.weight",), transpose),
         }
+        if cfg.moe is None:
+            common[("mlp", "gate_up")] = ((layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"), gate_up)
+            common[("mlp", "down")] = ((layer + "mlp.down_proj.weight",), transpose)
+        else:  # Qwen3.5-MoE: every layer's feed-forward is the experts
+            common.update({("moe", *path): entry for path, entry in moe_tensor_table(cfg.moe, layer + "mlp.").items()})
         if kind == "linear_attention":
             mixer = layer + "linear_attn."
             own: dict[tuple[str, ...], tuple[tuple[str, ...], tuple]] = {

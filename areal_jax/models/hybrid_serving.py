@@ -5,7 +5,8 @@ Each slot holds, per linear-attention layer, its recurrent state [L, E, V] (fp32
 full-attention stack's). `prefill` builds both from right-padded prompts (the delta rule chunk by chunk);
 `decode_step` moves them on one token per slot. `HybridDecoder.prefill` / `decode_step` are these, so the
 engine's dense path serves a hybrid model like any other (`inference/slot_cache.py`: what an insert, an abort
-and a re-prefill after new weights do to each part).
+and a re-prefill after new weights do to each part); a `qwen3_5_moe` one through `prefill_routed` /
+`decode_step_routed`, which also return each fed token's experts of every layer.
 
 Legend as in `hybrid.py`; S cache length, Y layers of one kind.
 """
@@ -23,6 +24,7 @@ from flax import nnx
 from areal_jax.models.attention import get_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KVCache, mask_padded_vocab
+from areal_jax.models.moe import RouterOutput, routing_dtype
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
 
@@ -136,11 +138,25 @@ def _logits(model: HybridModel, x_BxD: jax.Array) -> jax.Array:
     return mask_padded_vocab(logits_BxV, model.config.usable_vocab)
 
 
+def _experts(cfg: ModelConfig, routers: list[RouterOutput | None]) -> jax.Array | None:
+    """Each position's experts of every layer (all sparse), [B, T, Y, K] in `routing_dtype`; None when dense."""
+    if cfg.moe is None:
+        return None
+    return jnp.stack([router.experts for router in routers if router is not None], axis=2).astype(routing_dtype(cfg))
+
+
 def prefill(
     model: HybridModel, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
 ) -> tuple[jax.Array, HybridCache]:
     """Right-padded prompts: fp32 logits [B, V] at each last real token and the cache decoding continues from
     (a KV cache of length T cut into segments from `first_segment`; entries past a prompt are garbage, masked)."""
+    return prefill_routed(model, tokens_BxT, lengths_B, first_segment)[:2]
+
+
+def prefill_routed(
+    model: HybridModel, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
+) -> tuple[jax.Array, HybridCache, jax.Array | None]:
+    """`prefill` and each position's experts [B, T, Y, K] (`routing_dtype`; None when dense)."""
     cfg = model.config
     assert cfg.hybrid is not None
     b, t = tokens_BxT.shape
@@ -153,6 +169,7 @@ def prefill(
     windows: list[jax.Array] = []
     keys: list[jax.Array] = []
     values: list[jax.Array] = []
+    routers: list[RouterOutput | None] = []
     for kind, layer in zip(cfg.hybrid.layer_types, _layers(model, None), strict=True):
         if kind == "linear_attention":
             mixed_BxTxD, state, window = layer.mixer.prefill(layer.input_norm(x_BxTxD), lengths_B)
@@ -165,10 +182,13 @@ def prefill(
             values.append(v)
             out = attend(q, k, v, segment_ids=segment_ids_BxT, positions=positions_BxT)
             x_BxTxD = x_BxTxD + layer.attn.output(out, gate)
-        x_BxTxD = x_BxTxD + layer.mlp(layer.post_attention_norm(x_BxTxD))
+        out_BxTxD, router = layer.feed_forward(x_BxTxD)
+        x_BxTxD = x_BxTxD + out_BxTxD
+        routers.append(router)
     last_BxD = jnp.take_along_axis(x_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     kv = KVCache.from_entries(jnp.stack(keys), jnp.stack(values), first_segment) if keys else None
-    return _logits(model, last_BxD), HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
+    cache = HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
+    return _logits(model, last_BxD), cache, _experts(cfg, routers)
 
 
 def decode_step(
@@ -183,6 +203,18 @@ def decode_step(
     and attend to the cache up to it (only the segments covering `attend_length`, static and > every position,
     when given), the linear ones update the slot's state and window. `layer_states` (`layer_states()`): each
     layer's weights, read in place. Returns fp32 logits [B, V] and the cache."""
+    return decode_step_routed(model, tokens_B, positions_B, cache, attend_length, layer_states)[:2]
+
+
+def decode_step_routed(
+    model: HybridModel,
+    tokens_B: jax.Array,
+    positions_B: jax.Array,
+    cache: HybridCache,
+    attend_length: int | None = None,
+    layer_states: Sequence[nnx.State] | None = None,
+) -> tuple[jax.Array, HybridCache, jax.Array | None]:
+    """`decode_step` and each fed token's experts [B, Y, K] (`routing_dtype`; None when dense)."""
     cfg = model.config
     assert cfg.hybrid is not None
     sin, cos = _rope(model, positions_B[:, None])
@@ -202,6 +234,7 @@ def decode_step(
     windows: list[jax.Array] = []
     keys: list[tuple[jax.Array, ...]] = []
     values: list[tuple[jax.Array, ...]] = []
+    routers: list[RouterOutput | None] = []
     for kind, layer in zip(cfg.hybrid.layer_types, _layers(model, layer_states), strict=True):
         if kind == "linear_attention":
             y = len(states)
@@ -225,6 +258,11 @@ def decode_step(
             keys.append(tuple(k_segments))
             values.append(tuple(v_segments))
             x_Bx1xD = x_Bx1xD + layer.attn.output(attend(q, read_k, read_v, valid_BxS=valid_BxS), gate)
-        x_Bx1xD = x_Bx1xD + layer.mlp(layer.post_attention_norm(x_Bx1xD))
+        out_Bx1xD, router = layer.feed_forward(x_Bx1xD)
+        x_Bx1xD = x_Bx1xD + out_Bx1xD
+        routers.append(router)
     kv = KVCache(k=tuple(keys), v=tuple(values)) if keys else None
-    return _logits(model, x_Bx1xD[:, 0]), HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
+    experts_Bx1xYxK = _experts(cfg, routers)
+    experts_BxYxK = None if experts_Bx1xYxK is None else experts_Bx1xYxK[:, 0]
+    cache = HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
+    return _logits(model, x_Bx1xD[:, 0]), cache, experts_BxYxK

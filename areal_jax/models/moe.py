@@ -12,6 +12,7 @@ R = M * K routed rows, F an expert's MLP width.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -24,6 +25,7 @@ from areal_jax.activation_sharding import mesh_platform, program_mesh
 from areal_jax.models.config import ModelConfig, MoEConfig
 
 GroupedMatmul = Literal["ragged_dot", "megablox"]
+Dispatch = Literal["all_gather", "all_to_all"]
 # Megablox tiles (rows, contraction, output): at most 128, the MXU's width.
 _MEGABLOX_TILE = 128
 
@@ -33,6 +35,15 @@ def grouped_matmul_impl(moe: MoEConfig, platform: str | None = None) -> GroupedM
     if moe.grouped_matmul != "auto":
         return moe.grouped_matmul
     return "megablox" if (platform or mesh_platform()) == "tpu" else "ragged_dot"
+
+
+def dispatch_impl(moe: MoEConfig, impl: GroupedMatmul) -> Dispatch:
+    """`moe.dispatch` with auto resolved for grouped matmul `impl`: all_to_all with megablox (measured against
+    the all-gather on TPU compiles of Qwen3-30B-A3B's layer: docs/moe.md), else all_gather (ragged_dot left to
+    XLA's partitioner; the all-to-all is not measured on GPU, and XLA:CPU has no ragged all-to-all)."""
+    if moe.dispatch != "auto":
+        return moe.dispatch
+    return "all_to_all" if impl == "megablox" else "all_gather"
 
 
 def _megablox(
@@ -113,6 +124,28 @@ class RouterOutput(NamedTuple):
     used: jax.Array
 
 
+def _swiglu_rows(
+    x_RxD: jax.Array,
+    gate_up_GxDx2xF: jax.Array,
+    down_GxFxD: jax.Array,
+    group_sizes: jax.Array,
+    impl: GroupedMatmul,
+    group_offset: jax.Array | None = None,
+) -> jax.Array:
+    """[R, D]: each row through the SwiGLU expert of its group (rows grouped in expert order)."""
+    g, d, _, f = gate_up_GxDx2xF.shape
+    gate_up_Rx2F = grouped_matmul(x_RxD, gate_up_GxDx2xF.reshape(g, d, 2 * f), group_sizes, impl, group_offset)
+    gate_RxF, up_RxF = gate_up_Rx2F[:, :f], gate_up_Rx2F[:, f:]
+    return grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, down_GxFxD, group_sizes, impl, group_offset)
+
+
+def _combine(out_RxD: jax.Array, order_R: jax.Array, weights_MxK: jax.Array) -> jax.Array:
+    """[M, D] fp32: rows sorted by `order_R` back in (token, pick) order, weighted and summed over the picks."""
+    m, k = weights_MxK.shape
+    unsorted_MxKxD = jnp.take(out_RxD, jnp.argsort(order_R), axis=0).reshape(m, k, -1)
+    return jnp.einsum("mkd,mk->md", unsorted_MxKxD.astype(jnp.float32), weights_MxK)
+
+
 def _experts_sum(
     x_MxD: jax.Array,
     weights_MxK: jax.Array,
@@ -125,37 +158,149 @@ def _experts_sum(
 ) -> jax.Array:
     """[M, D] fp32: `dropless_experts` over the G experts held from `group_offset` on (all E without it); the
     picks of other experts add nothing."""
-    m, d = x_MxD.shape
-    g, _, _, f = gate_up_GxDx2xF.shape
     k = experts_MxK.shape[1]
     experts_R = experts_MxK.reshape(-1)
     order_R = jnp.argsort(experts_R, stable=True)  # rows grouped by expert, token order within a group
     group_sizes_E = jnp.bincount(experts_R, length=num_experts).astype(jnp.int32)
     x_RxD = jnp.take(x_MxD, order_R // k, axis=0)
-    gate_up_Rx2F = grouped_matmul(x_RxD, gate_up_GxDx2xF.reshape(g, d, 2 * f), group_sizes_E, impl, group_offset)
-    gate_RxF, up_RxF = gate_up_Rx2F[:, :f], gate_up_Rx2F[:, f:]
-    out_RxD = grouped_matmul(jax.nn.silu(gate_RxF) * up_RxF, down_GxFxD, group_sizes_E, impl, group_offset)
-    # back to (token, pick) order: the inverse permutation's gather, then a weighted sum over the picks
-    unsorted_MxKxD = jnp.take(out_RxD, jnp.argsort(order_R), axis=0).reshape(m, k, d)
-    return jnp.einsum("mkd,mk->md", unsorted_MxKxD.astype(jnp.float32), weights_MxK)
+    out_RxD = _swiglu_rows(x_RxD, gate_up_GxDx2xF, down_GxFxD, group_sizes_E, impl, group_offset)
+    return _combine(out_RxD, order_R, weights_MxK)
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _index(mesh: Mesh | AbstractMesh, axes: tuple[str, ...]) -> jax.Array:
+    """This device's index over `axes` (row-major, the first axis the slowest, as collectives number them)."""
+    index = jnp.zeros((), jnp.int32)
+    for axis in axes:
+        index = index * mesh.shape[axis] + jax.lax.axis_index(axis)
+    return index
+
+
+def _exchange(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    axes: tuple[str, ...],
+    mesh: Mesh | AbstractMesh,
+) -> jax.Array:
+    """`jax.lax.ragged_all_to_all` over `axes`. XLA:CPU has no ragged all-to-all (UNIMPLEMENTED in jax 0.10.2):
+    there the same result comes from an all-gather of every device's rows (tests only; it moves them all)."""
+    if mesh_platform() != "cpu":
+        return jax.lax.ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes
+        )
+    me = _index(mesh, axes)
+    rows_NxRxD = jax.lax.all_gather(operand, axes, axis=0)
+    start_N, size_N, at_N = (
+        jax.lax.all_gather(a, axes, axis=0)[:, me] for a in (input_offsets, send_sizes, output_offsets)
+    )
+    p_P = jnp.arange(output.shape[0])
+    hit_NxP = (p_P[None] >= at_N[:, None]) & (p_P[None] < (at_N + size_N)[:, None])
+    source_P = jnp.argmax(hit_NxP, axis=0)
+    row_P = jnp.clip(start_N[source_P] + p_P - at_N[source_P], 0, operand.shape[0] - 1)
+    hit_P = jnp.any(hit_NxP, axis=0).reshape((-1,) + (1,) * (output.ndim - 1))
+    return jnp.where(hit_P, rows_NxRxD[source_P, row_P], output)
+
+
+def _all_to_all_experts(
+    mesh: Mesh | AbstractMesh,
+    expert_axes: tuple[str, ...],
+    exchange_axes: tuple[str, ...],
+    impl: GroupedMatmul,
+    x_MxD: jax.Array,
+    weights_MxK: jax.Array,
+    experts_MxK: jax.Array,
+    gate_up_GxDx2xF: jax.Array,
+    down_GxFxD: jax.Array,
+) -> jax.Array:
+    """[M, D] fp32, one device's part of the all-to-all dispatch (inside `shard_map`): this device's tokens'
+    picks go only to the devices holding their experts, in N rounds over the N devices of `exchange_axes`
+    (the expert axes that also split the tokens). In round r each device sends to the device r places after
+    it the rows of that device's experts, receives those of the device r places before it, runs them through
+    its G local experts and sends the results back (`ragged_all_to_all` both ways); `lax.scan` over the rounds,
+    each rematerialised for the gradient, so one round's buffers are live at a time.
+
+    Dropless with static shapes: a round receives from one device only, at most its M * K rows (a token picks K
+    experts, all of which may be here), so a buffer of M * K rows never drops a pick whatever the routing. A
+    single-round all-to-all would need N * M * K rows (every device's picks may go to one device): the
+    all-gather's size. Each round's buffer holds about M * K / N real rows under balanced routing; megablox
+    visits only the real rows' tiles, ragged_dot computes the whole buffer. Picks of experts held along an
+    expert axis that does not split the tokens are left to those devices (their sum is the caller's psum)."""
+    m, k = experts_MxK.shape
+    g = gate_up_GxDx2xF.shape[0]
+    n = math.prod(mesh.shape[a] for a in exchange_axes)
+    experts_R = experts_MxK.reshape(-1)
+    shard_R = experts_R // g
+    coord_R: dict[str, jax.Array] = {}
+    for axis in reversed(expert_axes):
+        coord_R[axis], shard_R = shard_R % mesh.shape[axis], shard_R // mesh.shape[axis]
+    peer_R = jnp.zeros_like(experts_R)
+    mine_R = jnp.ones(experts_R.shape, bool)
+    for axis in expert_axes:
+        if axis in exchange_axes:
+            peer_R = peer_R * mesh.shape[axis] + coord_R[axis]
+        else:
+            mine_R &= coord_R[axis] == jax.lax.axis_index(axis)
+    # rows sorted by (peer, its local expert); the picks left to other devices last, never sent
+    key_R = jnp.where(mine_R, peer_R * g + experts_R % g, n * g)
+    order_R = jnp.argsort(key_R, stable=True)
+    counts_NxG = jnp.bincount(key_R, length=n * g + 1)[: n * g].reshape(n, g).astype(jnp.int32)
+    send_N = jnp.sum(counts_NxG, axis=1)
+    send_at_N = jnp.cumsum(send_N) - send_N
+    if n > 1:  # what each source sends here, per local expert, and where its rows for here start there
+        received_NxG = jax.lax.all_to_all(counts_NxG, exchange_axes, 0, 0, tiled=True)
+        source_at_N = jax.lax.all_to_all(send_at_N, exchange_axes, 0, 0, tiled=True)
+    else:
+        received_NxG, source_at_N = counts_NxG, send_at_N
+    recv_N = jnp.sum(received_NxG, axis=1)
+    x_RxD = jnp.take(x_MxD, order_R // k, axis=0)
+    me = _index(mesh, exchange_axes)
+    peers_N = jnp.arange(n)
+    zeros_N = jnp.zeros((n,), jnp.int32)
+
+    def round_rows(r: jax.Array) -> jax.Array:
+        """[M * K, D]: the rows received in round r through this device's experts, zero past the received."""
+        source, dest = (me - r) % n, (me + r) % n
+        send, recv = jnp.where(peers_N == dest, send_N, 0), jnp.where(peers_N == source, recv_N, 0)
+        rows_CxD = x_RxD  # one device: its own rows
+        if n > 1:
+            rows_CxD = _exchange(x_RxD, jnp.zeros_like(x_RxD), send_at_N, send, zeros_N, recv, exchange_axes, mesh)
+        sizes_G = received_NxG[source]
+        out_CxD = _swiglu_rows(rows_CxD, gate_up_GxDx2xF, down_GxFxD, sizes_G, impl)
+        return jnp.where((jnp.arange(m * k) < jnp.sum(sizes_G))[:, None], out_CxD, 0)
+
+    def one_round(out_RxD: jax.Array, r: jax.Array) -> tuple[jax.Array, None]:
+        out_CxD = jax.checkpoint(round_rows)(r)
+        if n == 1:
+            return out_CxD, None
+        source, dest = (me - r) % n, (me + r) % n
+        back, recv = jnp.where(peers_N == source, recv_N, 0), jnp.where(peers_N == dest, send_N, 0)
+        return _exchange(out_CxD, out_RxD, zeros_N, back, source_at_N, recv, exchange_axes, mesh), None
+
+    out_RxD, _ = jax.lax.scan(one_round, jnp.zeros_like(x_RxD), jnp.arange(n))
+    return _combine(out_RxD, order_R, weights_MxK)
+
+
 def _expert_parallel(
     mesh: Mesh | AbstractMesh,
+    dispatch: Dispatch,
+    impl: GroupedMatmul,
     x_MxD: jax.Array,
     weights_MxK: jax.Array,
     experts_MxK: jax.Array,
     gate_up_ExDx2xF: jax.Array,
     down_ExFxD: jax.Array,
 ) -> jax.Array:
-    """[M, D] fp32: the megablox experts per shard of `mesh` (XLA cannot partition a Pallas kernel). Each device
-    holds its experts (`expert` axis) and its slice of their width (`mlp`); the tokens are gathered over the
-    devices holding the other experts (the all-gather dispatch), each device computes its experts' rows only
-    (megablox's group offset), and the partial sums are reduce-scattered back to the tokens' devices."""
+    """[M, D] fp32: the experts per shard of `mesh` (XLA cannot partition a Pallas kernel). Each device holds its
+    experts (`expert` axis) and its slice of their width (`mlp`). `all_gather`: the tokens are gathered over the
+    devices holding the other experts, each device computes its experts' rows only (megablox's group offset), and
+    the partial sums are reduce-scattered back to the tokens' devices. `all_to_all`: `_all_to_all_experts`."""
     from areal_jax.sharding import logical_to_spec
 
     e = gate_up_ExDx2xF.shape[0]
@@ -173,14 +318,16 @@ def _expert_parallel(
         gate_up_GxDx2xF: jax.Array,
         down_GxFxD: jax.Array,
     ) -> jax.Array:
+        if dispatch == "all_to_all":
+            out_MxD = _all_to_all_experts(
+                mesh, expert_axes, gathered, impl, x_MxD, weights_MxK, experts_MxK, gate_up_GxDx2xF, down_GxFxD
+            )
+            return jax.lax.psum(out_MxD, summed) if summed else out_MxD
         if gathered:
             x_MxD, weights_MxK, experts_MxK = (
                 jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x_MxD, weights_MxK, experts_MxK)
             )
-        shard = jnp.zeros((), jnp.int32)
-        for axis in expert_axes:
-            shard = shard * mesh.shape[axis] + jax.lax.axis_index(axis)
-        offset = shard * gate_up_GxDx2xF.shape[0]
+        offset = _index(mesh, expert_axes) * gate_up_GxDx2xF.shape[0]
         out_MxD = _experts_sum(x_MxD, weights_MxK, experts_MxK, gate_up_GxDx2xF, down_GxFxD, e, "megablox", offset)
         if summed:
             out_MxD = jax.lax.psum(out_MxD, summed)
@@ -205,13 +352,15 @@ def dropless_experts(
     gate_up_ExDx2xF: jax.Array,
     down_ExFxD: jax.Array,
     impl: GroupedMatmul = "ragged_dot",
+    dispatch: Dispatch = "all_gather",
 ) -> jax.Array:
-    """sum_k weights[m, k] * expert_{experts[m, k]}(x[m]), [M, D], every pick computed (no capacity). With
-    megablox over a mesh of several devices (`program_mesh`), per shard (`_expert_parallel`)."""
+    """sum_k weights[m, k] * expert_{experts[m, k]}(x[m]), [M, D], every pick computed (no capacity). Over a mesh
+    of several devices (`program_mesh`), per shard (`_expert_parallel`) with megablox or the all-to-all dispatch;
+    ragged_dot under the all-gather dispatch is left to XLA's partitioner (which gathers the routed rows)."""
     mesh = program_mesh()
     args = (x_MxD, weights_MxK, experts_MxK, gate_up_ExDx2xF, down_ExFxD)
-    if impl == "megablox" and mesh is not None and mesh.size > 1:
-        combined_MxD = _expert_parallel(mesh, *args)
+    if mesh is not None and mesh.size > 1 and (impl == "megablox" or dispatch == "all_to_all"):
+        combined_MxD = _expert_parallel(mesh, dispatch, impl, *args)
     else:
         combined_MxD = _experts_sum(*args, gate_up_ExDx2xF.shape[0], impl)
     return combined_MxD.astype(x_MxD.dtype)
@@ -289,14 +438,15 @@ class MoEBlock(nnx.Module):
         if replay_BxTxK is not None:
             used_MxK = replay_BxTxK.reshape(b * t, -1).astype(jnp.int32)
             weights_MxK = replayed_weights(logits_MxE, used_MxK, self.moe.norm_topk_prob)
-        dtype = self.compute_dtype
+        dtype, impl = self.compute_dtype, grouped_matmul_impl(self.moe)
         out_MxD = dropless_experts(
             x_MxD,
             weights_MxK,
             used_MxK,
             self.gate_up[...].astype(dtype),
             self.down[...].astype(dtype),
-            grouped_matmul_impl(self.moe),
+            impl,
+            dispatch_impl(self.moe, impl),
         )
         if self.shared_gate_up is not None:
             out_MxD = out_MxD + self.shared_expert(x_MxD)

@@ -9,16 +9,33 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.models.config import ModelConfig
 
+# real config.json files of the checkpoints the recipes name, each in a directory of the checkpoint's name
+SIZING = Path(__file__).resolve().parents[2] / "configs" / "sizing"
+
+
+def config_json(cfg: ExperimentConfig) -> Path | None:
+    """The file the shapes come from: the checkpoint's config.json or, when the checkpoint is not on this
+    machine, the copy of its config.json in configs/sizing/<its directory's name>/ (a recipe is planned and
+    compiled before its checkpoint is downloaded); None without `hf_checkpoint`."""
+    if cfg.hf_checkpoint is None:
+        return None
+    config_file = Path(cfg.hf_checkpoint) / "config.json"
+    kept = SIZING / Path(cfg.hf_checkpoint).name / "config.json"
+    if not config_file.is_file() and not Path(cfg.hf_checkpoint).exists() and kept.is_file():
+        return kept
+    return config_file
+
 
 def architecture(cfg: ExperimentConfig) -> ModelConfig:
-    """`model`, or the HF checkpoint's config.json with the run's `model.*` choices over it. The tokenizer's
-    vocabulary limit (`assembly.policy_config`) masks logits and changes no shape, so it is left out."""
-    if cfg.hf_checkpoint is None:
+    """`model`, or the HF checkpoint's config.json (`config_json`) with the run's `model.*` choices over it. The
+    tokenizer's vocabulary limit (`assembly.policy_config`) masks logits and changes no shape, so it is left
+    out."""
+    config_file = config_json(cfg)
+    if config_file is None:
         return cfg.model
     from areal_jax.models.hf_config import model_config_from_hf
     from areal_jax.system.assembly import hf_load_options
 
-    config_file = Path(cfg.hf_checkpoint) / "config.json"
     if not config_file.is_file():
         raise ConfigError(
             "hf_checkpoint",

@@ -13,6 +13,7 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import EngineConfig
 from areal_jax.models.attention import ROW_BLOCK
 from areal_jax.models.config import ModelConfig
+from areal_jax.models.moe import dispatch_impl, grouped_matmul_impl
 
 # XLA's temporaries beyond the counted arrays, and the transient copies of a load or a weight update, as a
 # share of the counted bytes.
@@ -57,21 +58,35 @@ def _layer_activations(
 ) -> int:
     """One layer's intermediates for `tokens` tokens in rows of `row_length` (forward values and their
     cotangents): projections, MLP hidden, and the attention scores of the query blocks. `expert_group`: the
-    devices a mixture's experts are split over; each gathers the tokens of all of them to dispatch (`models/moe.py`),
-    so its dispatch rows are that many times its own tokens'."""
+    devices whose tokens a mixture's dispatch gathers on each (`models/moe.py`): the all-gather dispatch's expert
+    group, whose dispatch rows are that many times the device's own tokens'; 0 for the all-to-all dispatch."""
     d, f, h = model.hidden_size, model.intermediate_size, model.resolved_head_dim
     n, k = model.num_heads, model.num_kv_heads
     feed_forward = 3 * f
     if model.moe is not None and any(model.sparse_layers):
         moe = model.moe
-        # the router's logits, then every (token, pick) row the dispatch makes: its gathered input, gate/up,
-        # hidden and output (`models/moe.py`); a layer holds the larger of this and a dense MLP's
-        dispatch = moe.num_experts + expert_group * moe.experts_per_token * (2 * d + 3 * moe.expert_intermediate_size)
+        picks, expert_f = moe.experts_per_token, moe.expert_intermediate_size
+        # the router's logits, then every (token, pick) row the dispatch makes: its input, gate/up, hidden and
+        # output; the all-to-all's rows are the device's own (one round's received rows at a time, at most its
+        # own count) plus its sorted input and returned output. A layer holds the larger of this and a dense MLP's
+        if expert_group:
+            dispatch = moe.num_experts + expert_group * picks * (2 * d + 3 * expert_f)
+        else:
+            dispatch = moe.num_experts + picks * (4 * d + 3 * expert_f)
         feed_forward = dispatch if all(model.sparse_layers) else max(feed_forward, dispatch)
     per_token = (n + 2 * k) * h + n * h + 4 * d + feed_forward
     block = min(ROW_BLOCK, row_length)
     scores = rows * n * block * row_length * 4 * 2  # fp32 scores and probabilities of a query block
     return 2 * tokens * per_token * dtype_bytes + scores
+
+
+def _expert_group(model: ModelConfig, mesh_shape: dict[str, int], platform: str) -> int:
+    """`_layer_activations`' expert group: the fsdp devices (the expert axis maps to fsdp) under the all-gather
+    dispatch, 0 under the all-to-all (`models/moe.py`: `dispatch_impl`)."""
+    if model.moe is None:
+        return 1
+    all_to_all = dispatch_impl(model.moe, grouped_matmul_impl(model.moe, platform)) == "all_to_all"
+    return 0 if all_to_all else _shards(mesh_shape, "fsdp")
 
 
 def _trainer_transients(
@@ -84,7 +99,7 @@ def _trainer_transients(
     tokens = rows * packing.row_length
     trainer_dtype = cfg.trainer.compute_dtype
     c = _bytes(model.compute_dtype_on(platform) if trainer_dtype == "model" else trainer_dtype)
-    expert_group = _shards(mesh_shape, "fsdp") if model.moe is not None else 1  # the expert axis maps to fsdp
+    expert_group = _expert_group(model, mesh_shape, platform)
     layer = _layer_activations(model, tokens, packing.row_length, rows, c, expert_group) // _shards(
         mesh_shape, "tensor"
     )

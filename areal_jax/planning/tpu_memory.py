@@ -32,16 +32,16 @@ from flax import nnx
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import EngineConfig
+from areal_jax.inference.paged import PAGE_POOL_AXES
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import segment_ends
+from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, segment_ends
 from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.lora import split_trainable
 from areal_jax.planning import memory_terms as memory
-from areal_jax.planning.layouts import state_bytes, tiled_elements
+from areal_jax.planning.layouts import shard_shape, state_bytes, tiled_elements
 from areal_jax.planning.memory_terms import (
     MemoryItem,
     _bytes,
-    _shards,
     _trainer_transients,
     engine_transients,
     one_microbatch_per_update,
@@ -89,17 +89,17 @@ def trainer_items(
     ]
 
 
-def dense_cache_bytes(model: ModelConfig, engine: EngineConfig, slot_shards: int, head_shards: int, c: int) -> int:
+def dense_cache_bytes(model: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int], c: int) -> int:
     """A chip's dense KV cache in tiles: per layer and segment, keys [S, K, H, n] and values [S, K, n, H]
-    (`KVCache.zeros`), slots split over `slot_shards`, KV heads over `head_shards`."""
+    (`KVCache.zeros`), each shard as `cache_shardings` splits it (slots over data x fsdp, KV heads over
+    tensor, each only where it divides: 256 slots over 6 chips are whole on every chip)."""
     ends = segment_ends(engine.max_length, engine.prefill_buckets()[0])
-    slots, heads = max(1, engine.max_slots // slot_shards), max(1, model.num_kv_heads // head_shards)
-    h = model.resolved_head_dim
-    per_layer = sum(
-        tiled_elements((slots, heads, h, end - start), PLATFORM)
-        + tiled_elements((slots, heads, end - start, h), PLATFORM)
-        for start, end in zip((0, *ends[:-1]), ends, strict=True)
-    )
+    slots, heads, h = engine.max_slots, model.num_kv_heads, model.resolved_head_dim
+    per_layer = 0
+    for start, end in zip((0, *ends[:-1]), ends, strict=True):
+        key = shard_shape((slots, heads, h, end - start), KEY_CACHE_AXES, mesh_shape)
+        value = shard_shape((slots, heads, end - start, h), VALUE_CACHE_AXES, mesh_shape)
+        per_layer += tiled_elements(key, PLATFORM) + tiled_elements(value, PLATFORM)
     return model.num_layers * per_layer * c
 
 
@@ -123,17 +123,15 @@ def inference_items(
     if engine.keeps_layer_copies(PLATFORM):
         copies = state_bytes(state["layers"], mesh_shape, PLATFORM, served)
         items.append(MemoryItem("per-layer weight copies", copies, ("rollout.engine.decode_layer_copies",)))
-    tensor = mesh_shape.get("tensor", 1)
-    head_shards = tensor if model.num_kv_heads % tensor == 0 else 1
     h, y = model.resolved_head_dim, model.num_layers
     if engine.paged:
-        pool = (max(1, model.num_kv_heads // head_shards), engine.pool_pages, engine.page_size, h)
+        pool = shard_shape((model.num_kv_heads, engine.pool_pages, engine.page_size, h), PAGE_POOL_AXES, mesh_shape)
         kv = y * 2 * tiled_elements(pool, PLATFORM) * c
         kv_name = f"KV cache (paged: {engine.pool_pages} pages of {engine.page_size})"
         kv_keys = ("rollout.engine.num_pages", "rollout.engine.page_size", "rollout.engine.max_length")
         segments = 1
     else:
-        kv = dense_cache_bytes(model, engine, _shards(mesh_shape, "data", "fsdp"), head_shards, c)
+        kv = dense_cache_bytes(model, engine, mesh_shape, c)
         kv_name = f"KV cache (dense: {engine.max_slots} slots x {engine.max_length})"
         kv_keys = ("rollout.engine.max_slots", "rollout.engine.max_length", "rollout.engine.kv_cache")
         segments = len(segment_ends(engine.max_length, engine.prefill_buckets()[0]))
