@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 SESSION_HEADER = "X-Session-Id"
 CONTEXT_FULL = "context_length_exceeded"  # the error code of a turn whose prompt does not fit the engine
 _ENDED_KEPT = 100_000  # ended session ids remembered, so a late request gets 410 instead of a new episode
+ACCEPT_BACKLOG = 2048  # connections waiting to be accepted (the kernel caps it at net.core.somaxconn)
 T = TypeVar("T")
 
 
@@ -211,7 +212,9 @@ class AgentProxy:
             app.router.add_post(f"{prefix}/rl/end_session", self._web("end"))
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.port)
+        # a fleet of agents opens its connections at once: with aiohttp's backlog of 128 a busy loop overflows the
+        # accept queue and clients' connects time out (the OpenAI client's connect timeout is 5 s)
+        site = web.TCPSite(self._runner, self.config.host, self.port, backlog=ACCEPT_BACKLOG)
         await site.start()
         self.port = self._runner.addresses[0][1]
 
