@@ -22,6 +22,10 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from areal_jax.sharding import logical_to_spec
 
+# The leading axes of the row paths' activations [B, T, ...]: rows split over data x fsdp whenever a program
+# traces under `activations_on` (the trainer's), so its weights are gathered per layer, never its activations.
+ROW_AXES = ("batch", "length")
+
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("activation_mesh", default=None)
 
 

@@ -7,7 +7,9 @@ G = N / K query heads per KV head, H head dim.
 query attends to a key when both belong to the same non-zero segment and the key's position is not after
 the query's. `get_attention(name, decode=True)` returns the decode attention: one new token per cache
 slot attends to the slot's cache entries that `valid_BxS` marks (up to and including its own, already
-written). `xla` is the only implementation. `paged_decode_attention` is the decode attention over a paged
+written). Row attention: `xla` (plain JAX), `splash` (JAX's Pallas TPU kernel, `models/splash.py`; in
+Pallas's interpreter off TPU), `auto` (splash on TPU where it applies, else xla); decode attention: plain JAX
+under every name. `paged_decode_attention` is the decode attention over a paged
 cache (`areal_jax/inference/paged.py`): JAX's TPU kernel on TPU where it applies, else a reference in
 plain JAX (gathering a block of pages at a time).
 """
@@ -20,11 +22,16 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.activation_sharding import mesh_platform
+from areal_jax.models.splash import splash_attention, splash_block
 
 AttentionFn = Callable[..., jax.Array]
 
 # Queries per block of the row attention: rows up to this long are one block.
 ROW_BLOCK = 256
+# Blocks the XLA row attention writes out one by one (skipping the keys past each block's diagonal); a longer
+# row is scanned. Program size: 128 unrolled blocks a layer (a 32k row) kept a TPU compile of a 1.5B model
+# from finishing in 26 CPU-minutes.
+UNROLLED_BLOCKS = 8
 
 
 def attention_mask(
@@ -68,10 +75,15 @@ def xla_attention(
     """Self-attention over rows whose segments are contiguous runs of increasing positions (packed or
     right-padded rows), so no query attends to a key further along its row.
 
-    Queries are taken `block` at a time, each block against the keys up to its own end: the key blocks
-    after the diagonal, always masked, are never computed (about half the work of a long row).
+    Queries are taken `block` at a time. Up to `UNROLLED_BLOCKS` blocks, each block is written into the
+    program against the keys up to its own end: the key blocks after the diagonal, always masked, are never
+    computed (about half the work of a long row). A longer row is a `lax.scan` over its query blocks, each
+    against every key (twice the work past the diagonal, but a program that does not grow with the row; each
+    block rematerialised in the backward pass, so no [T, T] scores are kept).
     """
     t = q_BxTxNxH.shape[1]
+    if t > UNROLLED_BLOCKS * block and t % block == 0:
+        return _scanned_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids, positions, block)
     outs = []
     for start in range(0, t, block):
         end = min(start + block, t)
@@ -80,6 +92,49 @@ def xla_attention(
         )
         outs.append(masked_attention(q_BxTxNxH[:, start:end], k_BxTxKxH[:, :end], v_BxTxKxH[:, :end], mask_BxTxS))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def _scanned_attention(
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    segment_ids_BxT: jax.Array,
+    positions_BxT: jax.Array,
+    block: int,
+) -> jax.Array:
+    b, t, n, h = q_BxTxNxH.shape
+    blocks = t // block
+
+    def by_block(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [T / block, B, block, ...]
+        return jnp.moveaxis(x.reshape(b, blocks, block, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def one_block(q_BxCxNxH: jax.Array, segments_BxC: jax.Array, positions_BxC: jax.Array) -> jax.Array:
+        mask_BxCxT = attention_mask(segments_BxC, segment_ids_BxT, positions_BxC, positions_BxT)
+        return masked_attention(q_BxCxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxCxT)
+
+    _, out_XxBxCxNxH = jax.lax.scan(
+        lambda carry, xs: (carry, one_block(*xs)),
+        None,
+        (by_block(q_BxTxNxH), by_block(segment_ids_BxT), by_block(positions_BxT)),
+    )
+    return jnp.moveaxis(out_XxBxCxNxH, 0, 1).reshape(b, t, n, h)
+
+
+def auto_attention(
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    *,
+    segment_ids: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:
+    """The row attention for the program's platform: the splash kernel on TPU for rows longer than one block
+    of the XLA path that its tiles divide, else `xla_attention`."""
+    t = q_BxTxNxH.shape[1]
+    if mesh_platform() == "tpu" and t > ROW_BLOCK and splash_block(t) is not None:
+        return splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids=segment_ids, positions=positions)
+    return xla_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids=segment_ids, positions=positions)
 
 
 def xla_decode_attention(
@@ -234,8 +289,12 @@ def paged_decode_attention(
     return xla_paged_decode_attention(q_Bx1xNxH, k_pages, v_pages, pages_BxM, positions_B)
 
 
-ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": xla_attention}
-DECODE_ATTENTION_IMPLS: dict[str, AttentionFn] = {"xla": xla_decode_attention}
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"auto": auto_attention, "xla": xla_attention, "splash": splash_attention}
+DECODE_ATTENTION_IMPLS: dict[str, AttentionFn] = {
+    "auto": xla_decode_attention,
+    "xla": xla_decode_attention,
+    "splash": xla_decode_attention,
+}
 
 
 def get_attention(name: str, decode: bool = False) -> AttentionFn:

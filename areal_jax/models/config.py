@@ -162,7 +162,11 @@ class ModelConfig(Config):
         "once); null = the power of two whose fp32 logits fill about 256 MiB (256 tokens at Qwen's 151,936 ids), "
         "64..8192",
     )
-    attention_impl: Literal["xla"] = option("xla", doc="attention kernel; 'xla' is the portable one")
+    attention_impl: Literal["auto", "xla", "splash"] = option(
+        "auto",
+        doc="row attention: 'auto' (splash on TPU for rows over 256 tokens its tiles divide, else xla), 'xla' "
+        "(portable), 'splash' (JAX's Pallas TPU kernel; off TPU in Pallas's interpreter, slow)",
+    )
     initializer_range: float = option(0.02, gt=0, doc="std of the normal init of fresh weights")
     lora: LoRAConfig | None = option(
         None,
@@ -190,7 +194,11 @@ class ModelConfig(Config):
         if self.vocab_limit is not None and self.vocab_limit > self.vocab_size:
             raise ConfigError("vocab_limit", f"value {self.vocab_limit} must not exceed vocab_size={self.vocab_size}")
         if (self.family in MOE_FAMILIES) != (self.moe is not None):
-            raise ConfigError("moe", f"must be set exactly when family is one of {MOE_FAMILIES} ({self.family!r})")
+            raise ConfigError(
+                "moe",
+                f"must be set exactly when family is one of {MOE_FAMILIES} ({self.family!r}); to set model.moe's "
+                "run-time choices over an HF checkpoint, set model.family to the checkpoint's too",
+            )
         if self.moe is not None and (self.family in SHARED_EXPERT_FAMILIES) != (
             self.moe.shared_expert_intermediate_size is not None
         ):

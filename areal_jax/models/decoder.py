@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.activation_sharding import constrain
+from areal_jax.activation_sharding import ROW_AXES, constrain
 from areal_jax.models.attention import get_attention, paged_decode_attention, pages_per_block
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
@@ -51,10 +51,6 @@ def mask_padded_vocab(logits_xV: jax.Array, usable_vocab: int) -> jax.Array:
     ids_xV = jax.lax.broadcasted_iota(jnp.int32, logits_xV.shape, logits_xV.ndim - 1)
     return jnp.where(ids_xV < usable_vocab, logits_xV, MASKED_LOGIT)
 
-
-# The leading axes of the row paths' activations: rows split over data x fsdp whenever a program traces under
-# `activations_on` (the trainer's), so its weights are gathered per layer, never its activations.
-ROW_AXES = ("batch", "length")
 
 # Logical axes of one cache segment. Keys are stored transposed ([B, K, H, S]) and values as [B, K, S, H],
 # so both decode attention dots read the cache in place, with no transpose.
