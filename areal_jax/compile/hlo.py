@@ -1,5 +1,8 @@
 """What a compiled program moves between chips: its collectives by kind, count and bytes, read from the compiled
-HLO text, each counted as often as it runs (a `while` body's once per trip: XLA's known trip count).
+HLO text, each counted as often as it runs per call of the program: a computation as often as its callers run it,
+a `while` body once per trip (XLA's known trip count, else the bound its condition compares the counter with), so
+the counts multiply along the nesting (a trainer program's loop over its micro-batches, over the layers, over an
+all-to-all dispatch's rounds: runs per call, not per micro-batch).
 
 Legend: a collective's bytes are its result's (per chip): an all-gather's gathered array, an all-reduce's
 reduced one, a reduce-scatter's shard. XLA:TPU writes a reduce-scatter as an `all-reduce-scatter` fusion (an
@@ -25,7 +28,10 @@ _OPCODE = re.compile(r"\s[a-z][\w\-]*\(")
 # XLA:TPU's reduce-scatter: a fusion of an all-reduce and each partition's dynamic slice of its result, in a
 # computation of this name (`fusion(...), kind=kCustom, calls=%all-reduce-scatter.5`); its bytes are the slices'
 _REDUCE_SCATTER_FUSION = "all-reduce-scatter"
-_CONSTANT = re.compile(r"\bs32\[\]\S*\s+constant\((\d+)\)")
+# integer scalar constants (a TPU windowed einsum's loop counts in u32) and the bound of a counted loop
+_CONSTANT = re.compile(r"^\s*%([\w.\-]+) = [su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
+_COMPARE = re.compile(r"\(%([\w.\-]+), %([\w.\-]+)\).*?direction=(LT|LE|GT|GE)")
+_KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +60,30 @@ def _collective(line: str) -> tuple[str, tuple[tuple[str, tuple[int, ...]], ...]
     shapes = [
         (dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _ARRAY.findall(result[: match.start()])
     ]
-    if match.group(2) and len(shapes) > 1:  # an async start's result: (operands..., results...)
+    if match.group(2):  # an async start's result: (operands..., results..., u32[] contexts of a permute)
+        while len(shapes) > 1 and shapes[-1][1] == () and shapes[-1][0] in ("u32", "s32"):
+            shapes.pop()
         shapes = shapes[len(shapes) // 2 :]
     return match.group(1), tuple(shapes)
 
 
-def _trip_count(condition: list[str]) -> int:
-    """A scan's trip count: the bound its loop condition compares the counter with (its largest s32 constant)."""
-    bounds = [int(n) for line in condition for n in _CONSTANT.findall(line)]
-    return max(bounds, default=1)
+def _trip_count(loop: str, condition: list[str]) -> int:
+    """A counted loop's trips (its counter from 0 by 1, as `lax.scan` and `fori_loop` make them): XLA's
+    `known_trip_count` of the `while` instruction `loop` when it has one (CPU, GPU), else the constant that the
+    condition's root compares the counter with (`i < n`: n; `i <= n`: n + 1), else its largest integer constant."""
+    known = _KNOWN_TRIP_COUNT.search(loop)
+    if known:
+        return int(known.group(1))
+    constants = {name: int(value) for line in condition for name, value in _CONSTANT.findall(line)}
+    root = next((line for line in condition if line.lstrip().startswith("ROOT ")), "")
+    compare = _COMPARE.search(root)
+    if compare:
+        left, right, direction = compare.groups()
+        if right in constants and direction in ("LT", "LE"):
+            return constants[right] + (direction == "LE")
+        if left in constants and direction in ("GT", "GE"):
+            return constants[left] + (direction == "GE")
+    return max(constants.values(), default=1)
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -79,22 +100,23 @@ def collectives(hlo_text: str) -> list[Collective]:
         elif current is not None:
             current.append(line)
     # how often each computation runs: its callers' counts, a while body's times the loop's trip count
-    edges: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    # each call site once: (callee, times it runs per run of the caller)
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for name, lines in bodies.items():
         for line in lines:
             calls = _CALLS.findall(line)
             condition = next((c.strip(" {}%") for role, c in calls if role == "condition"), None)
+            trips = _trip_count(line, bodies.get(condition, [])) if condition is not None else 1
             for role, callees in calls:
                 for callee in (c.strip(" {}%") for c in callees.split(",")):
-                    edges[name].append((callee, condition if role == "body" and condition else ""))
+                    edges[name].append((callee, trips if role == "body" else 1))
     runs: dict[str, int] = defaultdict(int)
 
     def visit(name: str, times: int, depth: int = 0) -> None:
         if depth > 64:
             return
         runs[name] += times
-        for callee, condition in edges.get(name, ()):
-            factor = _trip_count(bodies.get(condition, [])) if condition else 1
+        for callee, factor in edges.get(name, ()):
             visit(callee, times * factor, depth + 1)
 
     if entry is not None:

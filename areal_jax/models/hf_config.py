@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from areal_jax.configuration import ConfigError
 from areal_jax.models.config import (
     CHECKPOINT_DTYPES,
     MOE_FAMILIES,
@@ -47,8 +48,11 @@ def checkpoint_dtype(hf: Mapping[str, Any]) -> str:
     return dtype
 
 
-def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """ModelConfig from the dict of an HF `config.json`; `overrides` set our own fields (dtypes, remat). The
+def model_config_from_hf(
+    hf: Mapping[str, Any], moe_options: Mapping[str, Any] | None = None, **overrides: Any
+) -> ModelConfig:
+    """ModelConfig from the dict of an HF `config.json`; `overrides` set our own fields (dtypes, remat) and
+    `moe_options` fields of the checkpoint's `moe` (its run-time choices: `assembly.MOE_RUN_TIME_FIELDS`). The
     weights load into float32 unless `param_dtype` is overridden, whatever the checkpoint stores; exports
     are written in the checkpoint's own dtype unless `export_dtype` is overridden."""
     hf = text_config(hf)  # a multimodal checkpoint's text model
@@ -103,6 +107,13 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
     }
     if family in MOE_FAMILIES:
         fields["moe"] = _moe_config_from_hf(hf, family)
+        if moe_options:
+            try:
+                fields["moe"] = fields["moe"].replace(**moe_options)
+            except ConfigError as err:
+                raise err.under("moe") from None
+    elif moe_options is not None:
+        raise ConfigError("moe", f"is set, but the HF checkpoint is a dense {family} model (no experts)")
     if family in ("qwen3_5", "qwen3_5_moe"):
         fields.update(hybrid_fields_from_hf(hf))
     fields.update(overrides)

@@ -17,11 +17,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.config import ExperimentConfig
-from areal_jax.configuration import ConfigError
+from areal_jax.configuration import Config, ConfigError
 from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import TaskStream, drop_long_prompts, load_task_records, split_heldout
 from areal_jax.inference.slot_cache import PAGED_REFUSAL
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import ModelConfig, MoEConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_config import model_config_from_hf
 from areal_jax.models.hf_io import save_hf_checkpoint
@@ -62,34 +62,50 @@ def build_meshes(cfg: ExperimentConfig) -> tuple[Mesh, Mesh]:
 
 # The fields of `model` that are run-time choices, not architecture: they apply over an HF checkpoint.
 RUN_TIME_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "logprob_chunk", "attention_impl", "lora")
+# The same for `model.moe`: how the experts compute (`models/moe.py`) and the load-balancing loss's weight (HF
+# checkpoints carry one but apply it only with output_router_logits); they apply over a checkpoint's mixture.
+MOE_RUN_TIME_FIELDS = ("grouped_matmul", "dispatch", "router_aux_loss_coef")
 # Fields derived per run (the tokenizer's vocabulary) or given by the checkpoint unless the user sets them.
 _DERIVED_FIELDS = ("vocab_limit", "export_dtype")
 
 
 def hf_load_options(model: ModelConfig) -> dict[str, Any]:
     """The run-time choices of `model` that an HF checkpoint does not carry; every HF load passes these."""
-    options = {name: getattr(model, name) for name in RUN_TIME_FIELDS}
+    options: dict[str, Any] = {name: getattr(model, name) for name in RUN_TIME_FIELDS}
     if model.export_dtype is not None:
         options["export_dtype"] = model.export_dtype
+    if model.moe is not None:
+        options["moe_options"] = {name: getattr(model.moe, name) for name in MOE_RUN_TIME_FIELDS}
     return options
 
 
 def check_architecture_overrides(model: ModelConfig, checkpoint: ModelConfig, source: str) -> None:
-    """Refuse a `model.*` architecture value the user set (it differs from the default) that the HF checkpoint
-    at `source` contradicts: the checkpoint fixes the architecture, only `RUN_TIME_FIELDS` apply over it."""
-    default = ModelConfig()
-    for field in dataclasses.fields(ModelConfig):
+    """Refuse a `model.*` architecture value the user set (it differs from the default) that the HF checkpoint at
+    `source` contradicts: the checkpoint fixes the architecture, only `RUN_TIME_FIELDS` and, in `model.moe`,
+    `MOE_RUN_TIME_FIELDS` apply over it. A section both have (`moe`, `hybrid`) is compared key by key, each
+    against the section's default, so the refusal names the key (`model.moe.num_experts`)."""
+    _check_overrides(model, checkpoint, RUN_TIME_FIELDS + _DERIVED_FIELDS, "model.", source)
+
+
+def _check_overrides(wanted: Config, given: Config, skip: tuple[str, ...], prefix: str, source: str) -> None:
+    unset = type(wanted)()
+    for field in dataclasses.fields(wanted):
         name = field.name
-        if name in RUN_TIME_FIELDS or name in _DERIVED_FIELDS:
+        value, fixed = getattr(wanted, name), getattr(given, name)
+        if name in skip or value == getattr(unset, name) or value == fixed:
             continue
-        wanted, given = getattr(model, name), getattr(checkpoint, name)
-        if wanted != getattr(default, name) and wanted != given:
-            raise ConfigError(
-                f"model.{name}",
-                f"value {wanted!r} contradicts the HF checkpoint {source!r}, whose {name} is {given!r}: the "
-                f"checkpoint fixes the architecture; remove the override (run-time choices that apply over a "
-                f"checkpoint: {', '.join('model.' + n for n in RUN_TIME_FIELDS)}, model.export_dtype)",
-            )
+        if isinstance(value, Config) and isinstance(fixed, type(value)):
+            inner_skip = MOE_RUN_TIME_FIELDS if isinstance(value, MoEConfig) else ()
+            _check_overrides(value, fixed, inner_skip, f"{prefix}{name}.", source)
+            continue
+        run_time = [f"model.{n}" for n in (*RUN_TIME_FIELDS, "export_dtype")]
+        run_time += [f"model.moe.{n}" for n in MOE_RUN_TIME_FIELDS]
+        raise ConfigError(
+            f"{prefix}{name}",
+            f"value {value!r} contradicts the HF checkpoint {source!r}, whose {prefix.removeprefix('model.')}{name} "
+            f"is {fixed!r}: the checkpoint fixes the architecture; remove the override (run-time choices that apply "
+            f"over a checkpoint: {', '.join(run_time)})",
+        )
 
 
 def checkpoint_config(cfg: ExperimentConfig, source: str, tokenizer: Tokenizer) -> ModelConfig:
