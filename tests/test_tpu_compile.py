@@ -133,10 +133,12 @@ def test_memory_plan_for_hardware_this_machine_lacks(tmp_path, capsys):
     (checkpoint / "config.json").write_text(json.dumps(hf))
     config = str(ROOT / "configs/train_cpu.yaml")
     run = [config, f"hf_checkpoint={checkpoint}", "tokenizer=null"]
-    assert main(["plan", "--memory", "--topology", "v5p-8", *run]) == 0
+    # v5p-8 is 4 chips: 3 for the rollout (the config's 3:1 shares), an all-reduce XLA:TPU does not compile
+    assert main(["plan", "--memory", "--topology", "v5p-8", *run]) == EXIT_USER_ERROR
+    assert "rollout.inference_share: the rollout's mesh splits fsdp over 3 chips" in capsys.readouterr().err
+    assert main(["plan", "--memory", "--topology", "v5p-16", *run]) == 0
     out = capsys.readouterr().out
-    # v5p-8 is 4 chips: 3 for the rollout, 1 for the trainer (the config's 3:1 shares)
-    assert "memory plan on v5p-8:" in out and "inference: 3 device(s)" in out and "of 87.4 GiB usable" in out
+    assert "memory plan on v5p-16:" in out and "inference: 6 device(s)" in out and "of 87.4 GiB usable" in out
     assert main(["plan", "--memory", "--devices", "8", "--device-memory-gib", "80", *run]) == 0
     out = capsys.readouterr().out
     assert "memory plan on 8 x 80 GiB GPUs:" in out and "trainer: 2 device(s)" in out and "of 73.6 GiB usable" in out

@@ -14,7 +14,7 @@ from areal_jax.compile.agreement import agreements
 from areal_jax.compile.engine_programs import EngineOnMesh
 from areal_jax.compile.programs import compile_program
 from areal_jax.compile.side import SideReport
-from areal_jax.compile.topology import GIB, Slice, parse_slice, slice_devices
+from areal_jax.compile.topology import GIB, Slice, parse_slice, refuse_odd_mesh_axes, slice_devices
 from areal_jax.compile.trainer_programs import resident_lines, trainer_programs
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
@@ -127,6 +127,8 @@ def compile_for_slice(
         inference_devices, trainer_devices = list(slice_devices(rollout_slice.name)), devices
     trainer_mesh = make_mesh(cfg.mesh, trainer_devices)
     inference_mesh = make_mesh(cfg.mesh, inference_devices)
+    refuse_odd_mesh_axes("trainer", dict(trainer_mesh.shape), "rollout.trainer_share")
+    refuse_odd_mesh_axes("rollout", dict(inference_mesh.shape), "rollout.inference_share")
     model = on_platform(architecture(cfg), "tpu")
     plan = plan_memory(cfg, model, trainer_mesh, inference_mesh)
     trainer_plan, inference_plan = plan.sides

@@ -99,3 +99,17 @@ def slice_devices(name: str) -> tuple[jax.Device, ...]:
     devices = tuple(description.devices)
     assert len(devices) == tpu_slice.chips, (len(devices), tpu_slice)
     return devices
+
+
+def refuse_odd_mesh_axes(side: str, mesh_shape: dict[str, int], share_key: str) -> None:
+    """Refuse a TPU mesh with an axis over an odd number of chips above one: XLA:TPU compiles no all-reduce over
+    such groups (`UNIMPLEMENTED: Encountered AllReduce fusion with 3 sized replica_groups, which is odd and
+    greater than one`, libtpu 0.0.42.1), and every sharded program all-reduces over its mesh's axes."""
+    odd = {axis: size for axis, size in mesh_shape.items() if size > 1 and size % 2}
+    if odd:
+        axes = ", ".join(f"{axis} over {size} chips" for axis, size in odd.items())
+        raise ConfigError(
+            share_key,
+            f"the {side}'s mesh splits {axes}: XLA:TPU cannot all-reduce over an odd number of chips above one; give "
+            f"the {side} 1 or an even number of chips (change {share_key}, or mesh.*)",
+        )

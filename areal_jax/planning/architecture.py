@@ -34,7 +34,7 @@ def architecture(cfg: ExperimentConfig) -> ModelConfig:
     if config_file is None:
         return cfg.model
     from areal_jax.models.hf_config import model_config_from_hf
-    from areal_jax.system.assembly import hf_load_options
+    from areal_jax.system.assembly import check_architecture_overrides, hf_load_options
 
     if not config_file.is_file():
         raise ConfigError(
@@ -43,9 +43,11 @@ def architecture(cfg: ExperimentConfig) -> ModelConfig:
             "hf_checkpoint=null and the model.* shapes)",
         )
     try:
-        return model_config_from_hf(json.loads(config_file.read_text()), **hf_load_options(cfg.model))
+        checkpoint = model_config_from_hf(json.loads(config_file.read_text()), **hf_load_options(cfg.model))
     except ConfigError as err:
         raise err.under("model") from None
+    check_architecture_overrides(cfg.model, checkpoint, str(config_file.parent))  # as the run itself would
+    return checkpoint
 
 
 def on_platform(model: ModelConfig, platform: str) -> ModelConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from areal_jax.compile.topology import GIB, parse_slice
+from areal_jax.compile.topology import GIB, parse_slice, refuse_odd_mesh_axes
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.planning.architecture import architecture
@@ -56,4 +56,8 @@ def plan_for_hardware(cfg: ExperimentConfig, where: Hardware) -> MemoryPlan:
     else:
         split = split_devices(list(range(where.devices)), cfg.rollout.inference_share, cfg.rollout.trainer_share)
         inference, trainer, shared = len(split[0]), len(split[1]), where.devices == 1
-    return plan_for_shapes(cfg, architecture(cfg), where.platform, _shape(cfg, trainer), _shape(cfg, inference), shared)
+    trainer_shape, inference_shape = _shape(cfg, trainer), _shape(cfg, inference)
+    if where.platform == "tpu":
+        refuse_odd_mesh_axes("trainer", trainer_shape, "rollout.trainer_share")
+        refuse_odd_mesh_axes("rollout", inference_shape, "rollout.inference_share")
+    return plan_for_shapes(cfg, architecture(cfg), where.platform, trainer_shape, inference_shape, shared)
