@@ -117,6 +117,8 @@ _SLOW = frozenset(
         "test_gated_delta.py",
         "test_hybrid_engine.py",
         "test_hybrid_moe.py",
+        "test_row_attention.py",
+        "test_moe_options.py",
     }
 )
 

@@ -14,7 +14,7 @@ from areal_jax.compile.side import SideReport
 # lines are what it expects the largest program to need besides
 _RESIDENT = {
     "trainer": ("params", "Adam moments"),
-    "inference": ("engine weights", "per-layer weight copies", "KV cache"),
+    "inference": ("engine weights", "per-layer weight copies", "KV cache", "recurrent states"),
 }
 
 

@@ -4,7 +4,9 @@ Batched prefill of the most rows at the longest bucket, the insert of its prefix
 the decode step attending the whole cache (dense or paged, as `rollout.engine.kv_cache` says), as `Engine`
 builds them for the rollout mesh (`every_bucket`: each length and row bucket, each decode bucket). Each is
 lowered under `jax.set_mesh` of the mesh, so the kernels chosen are those of its devices' platform (a TPU
-topology's from a CPU host).
+topology's from a CPU host). A hybrid (Qwen3.5) policy's decode state holds, beside its full-attention layers'
+KV cache, a recurrent state and a convolution window per slot and linear layer (`HybridCache`): a resident
+line of their own, read whole by every decode step whatever positions it attends.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from areal_jax.inference.engine import Engine
 from areal_jax.inference.paged import pages_for
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hybrid import new_decoder
+from areal_jax.models.hybrid_serving import HybridCache
 
 
 def _sharded(tree: Any, shardings: Any) -> Any:
@@ -73,8 +76,23 @@ class EngineOnMesh:
         if self.layers is not None:
             lines.append(("per-layer weight copies", size(1, self.layers)))
         cache = size(2, self.decode_state.cache, lambda formats: formats.cache)
-        lines += [("KV cache", cache), ("decode state besides the cache", size(2, self.decode_state) - cache)]
+        hybrid = self.decode_state.cache
+        if isinstance(hybrid, HybridCache):
+            states = size(2, (hybrid.state, hybrid.window), lambda formats: (formats.cache.state, formats.cache.window))
+            lines += [("KV cache", cache - states), ("recurrent states", states)]
+        else:
+            lines.append(("KV cache", cache))
+        lines.append(("decode state besides the cache", size(2, self.decode_state) - cache))
         return tuple(lines)
+
+    def _cache_read(self, bucket: int) -> int:
+        """Bytes of the decode state's cache a decode step attending `bucket` positions reads per chip: that share
+        of the KV cache, and every recurrent state and convolution window whole."""
+        cache = self.decode_state.cache
+        length = self.engine.config.max_length
+        if not isinstance(cache, HybridCache):
+            return per_chip_bytes(cache) * bucket // length
+        return per_chip_bytes(cache.kv) * bucket // length + per_chip_bytes((cache.state, cache.window))
 
     def compile(self, every_bucket: bool = False) -> list[CompiledProgram]:
         """Prefill and insert at the most rows and the longest bucket, the decode step attending the whole cache
@@ -130,7 +148,7 @@ class EngineOnMesh:
                 attend = None if bucket == config.max_length else bucket
                 jitted, args = engine._generate, (self.params, self.layers, self.decode_state, attend)
                 static = (3,)
-            cache = per_chip_bytes(self.decode_state.cache) * bucket // config.max_length
+            cache = self._cache_read(bucket)
             slots = config.max_slots
             decode = self._spec(
                 f"decode ({slots} slots, {bucket} positions)",

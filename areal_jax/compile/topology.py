@@ -7,10 +7,12 @@ accelerator types do; JAX's topology names give the chips' layout (`v5p:2x2x1`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import re
+from collections.abc import Iterator
 
 import jax
 
@@ -101,15 +103,33 @@ def slice_devices(name: str) -> tuple[jax.Device, ...]:
     return devices
 
 
-def refuse_odd_mesh_axes(side: str, mesh_shape: dict[str, int], share_key: str) -> None:
-    """Refuse a TPU mesh with an axis over an odd number of chips above one: XLA:TPU compiles no all-reduce over
-    such groups (`UNIMPLEMENTED: Encountered AllReduce fusion with 3 sized replica_groups, which is odd and
-    greater than one`, libtpu 0.0.42.1), and every sharded program all-reduces over its mesh's axes."""
+# XLA:TPU's words when a program all-reduces over an odd number of chips above one (libtpu 0.0.42.1: `UNIMPLEMENTED:
+# Encountered AllReduce fusion with 3 sized replica_groups, which is odd and greater than one`)
+ODD_GROUPS = "odd and greater than one"
+
+
+def odd_mesh_axes(side: str, mesh_shape: dict[str, int], share_key: str) -> str | None:
+    """What to tell a user whose `side` mesh splits an axis over an odd number of chips above one, else None. Such a
+    mesh compiles only while no program all-reduces over that axis (weights too narrow to split over it stay
+    whole, as Qwen2.5-0.5B's 896 over 3 chips did); XLA:TPU compiles no all-reduce over it."""
     odd = {axis: size for axis, size in mesh_shape.items() if size > 1 and size % 2}
-    if odd:
-        axes = ", ".join(f"{axis} over {size} chips" for axis, size in odd.items())
-        raise ConfigError(
-            share_key,
-            f"the {side}'s mesh splits {axes}: XLA:TPU cannot all-reduce over an odd number of chips above one; give "
-            f"the {side} 1 or an even number of chips (change {share_key}, or mesh.*)",
-        )
+    if not odd:
+        return None
+    axes = ", ".join(f"{axis} over {size} chips" for axis, size in odd.items())
+    return (
+        f"the {side}'s mesh splits {axes}: XLA:TPU compiles no all-reduce over an odd number of chips above one; "
+        f"give the {side} 1 or an even number of chips (change {share_key}, or mesh.*)"
+    )
+
+
+@contextlib.contextmanager
+def odd_groups_refused(side: str, mesh_shape: dict[str, int], share_key: str) -> Iterator[None]:
+    """Compile the enclosed programs; XLA:TPU's refusal of an odd all-reduce group becomes a ConfigError naming
+    `share_key`."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as err:
+        if ODD_GROUPS not in str(err):
+            raise
+        advice = odd_mesh_axes(side, mesh_shape, share_key) or f"change {share_key}, or mesh.*"
+        raise ConfigError(share_key, f"{advice} (the compiler: {str(err).splitlines()[0]})") from None

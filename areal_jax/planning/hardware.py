@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from areal_jax.compile.topology import GIB, parse_slice, refuse_odd_mesh_axes
+from areal_jax.compile.topology import GIB, odd_mesh_axes, parse_slice
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.planning.architecture import architecture
@@ -48,16 +48,29 @@ def _shape(cfg: ExperimentConfig, devices: int) -> dict[str, int]:
     return dict(zip(MESH_AXES, cfg.mesh.resolve(devices), strict=True))
 
 
-def plan_for_hardware(cfg: ExperimentConfig, where: Hardware) -> MemoryPlan:
-    """The run's memory plan on `where`: its devices split in the run's inference:trainer shares (one device:
-    both sides on it), unless the rollout has devices of its own."""
+def _side_devices(cfg: ExperimentConfig, where: Hardware) -> tuple[int, int, bool]:
+    """(rollout devices, trainer devices, whether they are the same one): `where`'s devices split in the run's
+    inference:trainer shares (one device: both sides on it), unless the rollout has devices of its own."""
     if where.rollout_devices is not None:
-        inference, trainer, shared = where.rollout_devices, where.devices, False
-    else:
-        split = split_devices(list(range(where.devices)), cfg.rollout.inference_share, cfg.rollout.trainer_share)
-        inference, trainer, shared = len(split[0]), len(split[1]), where.devices == 1
+        return where.rollout_devices, where.devices, False
+    split = split_devices(list(range(where.devices)), cfg.rollout.inference_share, cfg.rollout.trainer_share)
+    return len(split[0]), len(split[1]), where.devices == 1
+
+
+def plan_for_hardware(cfg: ExperimentConfig, where: Hardware) -> MemoryPlan:
+    """The run's memory plan on `where` (`_side_devices`)."""
+    inference, trainer, shared = _side_devices(cfg, where)
     trainer_shape, inference_shape = _shape(cfg, trainer), _shape(cfg, inference)
-    if where.platform == "tpu":
-        refuse_odd_mesh_axes("trainer", trainer_shape, "rollout.trainer_share")
-        refuse_odd_mesh_axes("rollout", inference_shape, "rollout.inference_share")
     return plan_for_shapes(cfg, architecture(cfg), where.platform, trainer_shape, inference_shape, shared)
+
+
+def mesh_warnings(cfg: ExperimentConfig, where: Hardware) -> list[str]:
+    """What the plan cannot say fits but a TPU compile may refuse: a side's mesh axis over an odd number of chips."""
+    if where.platform != "tpu":
+        return []
+    inference, trainer, _ = _side_devices(cfg, where)
+    found = [
+        odd_mesh_axes("trainer", _shape(cfg, trainer), "rollout.trainer_share"),
+        odd_mesh_axes("rollout", _shape(cfg, inference), "rollout.inference_share"),
+    ]
+    return [warning for warning in found if warning is not None]

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from areal_jax.planning.architecture import architecture
-from areal_jax.planning.hardware import hardware, plan_for_hardware
+from areal_jax.planning.hardware import hardware, mesh_warnings, plan_for_hardware
 from areal_jax.planning.memory import GIB, USABLE_SHARE, device_capacity, plan_memory
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ def print_memory_plan(
         where = hardware(topology, rollout_topology, devices, device_memory_gib)
         plan = plan_for_hardware(cfg, where)
         capacity = where.device_bytes
+        for warning in mesh_warnings(cfg, where):
+            print(f"warning: {warning}", file=sys.stderr)
         print(f"memory plan on {where.name}:")
     else:
         inference_mesh, trainer_mesh = build_meshes(cfg)
