@@ -142,3 +142,20 @@ def test_a_tpu_gradient_program_of_long_rows_calls_splash_and_does_not_grow_with
 
 
 _SIZES: dict[int, int] = {}
+
+
+def test_the_memory_plan_counts_no_scores_where_the_kernel_runs():
+    """A prefill of 2 x 1,024 tokens: on TPU (splash) the plan's temporaries drop exactly the XLA path's fp32
+    scores and probabilities of a query block (half of them: a prefill keeps no cotangents); on CPU they stay."""
+    from areal_jax.planning.memory_terms import engine_transients
+
+    cfg = load_experiment(
+        str(ROOT / "configs/train_cpu.yaml"),
+        ["rollout.engine.max_length=1024", "model.max_position_embeddings=1024", "rollout.engine.max_prefill_batch=2"],
+    )
+    engine, model = cfg.rollout.engine, cfg.model
+    scores = 2 * model.num_heads * 256 * 1024 * 4 * 2 // 2
+    _, on_tpu, _ = engine_transients(engine, model, 2, "tpu")
+    _, on_cpu, _ = engine_transients(engine, model, 2, "cpu")
+    _, xla_on_tpu, _ = engine_transients(engine, model.replace(attention_impl="xla"), 2, "tpu")
+    assert on_cpu - on_tpu == scores and xla_on_tpu == on_cpu

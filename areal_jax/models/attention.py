@@ -121,6 +121,14 @@ def _scanned_attention(
     return jnp.moveaxis(out_XxBxCxNxH, 0, 1).reshape(b, t, n, h)
 
 
+def uses_splash(impl: str, platform: str, length: int) -> bool:
+    """Whether the row attention `impl` takes rows of `length` tokens to the splash kernel in a program for
+    `platform`: `splash` always, `auto` on TPU for rows longer than one XLA block that the kernel's tiles divide."""
+    if impl == "splash":
+        return True
+    return impl == "auto" and platform == "tpu" and length > ROW_BLOCK and splash_block(length) is not None
+
+
 def auto_attention(
     q_BxTxNxH: jax.Array,
     k_BxTxKxH: jax.Array,
@@ -131,8 +139,7 @@ def auto_attention(
 ) -> jax.Array:
     """The row attention for the program's platform: the splash kernel on TPU for rows longer than one block
     of the XLA path that its tiles divide, else `xla_attention`."""
-    t = q_BxTxNxH.shape[1]
-    if mesh_platform() == "tpu" and t > ROW_BLOCK and splash_block(t) is not None:
+    if uses_splash("auto", mesh_platform(), q_BxTxNxH.shape[1]):
         return splash_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids=segment_ids, positions=positions)
     return xla_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids=segment_ids, positions=positions)
 

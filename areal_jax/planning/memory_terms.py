@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import EngineConfig
-from areal_jax.models.attention import ROW_BLOCK
+from areal_jax.models.attention import ROW_BLOCK, uses_splash
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.moe import dispatch_impl, grouped_matmul_impl
 
@@ -54,10 +54,17 @@ def _layer_params(model: ModelConfig) -> int:
 
 
 def _layer_activations(
-    model: ModelConfig, tokens: int, row_length: int, rows: int, dtype_bytes: int, expert_group: int = 1
+    model: ModelConfig,
+    tokens: int,
+    row_length: int,
+    rows: int,
+    dtype_bytes: int,
+    platform: str,
+    expert_group: int = 1,
 ) -> int:
     """One layer's intermediates for `tokens` tokens in rows of `row_length` (forward values and their
-    cotangents): projections, MLP hidden, and the attention scores of the query blocks. `expert_group`: the
+    cotangents): projections, MLP hidden, and the attention scores of a query block (none under the splash
+    kernel, which keeps its tiles on chip: `attention.uses_splash` on `platform`). `expert_group`: the
     devices whose tokens a mixture's dispatch gathers on each (`models/moe.py`): the all-gather dispatch's expert
     group, whose dispatch rows are that many times the device's own tokens'; 0 for the all-to-all dispatch."""
     d, f, h = model.hidden_size, model.intermediate_size, model.resolved_head_dim
@@ -77,6 +84,8 @@ def _layer_activations(
     per_token = (n + 2 * k) * h + n * h + 4 * d + feed_forward
     block = min(ROW_BLOCK, row_length)
     scores = rows * n * block * row_length * 4 * 2  # fp32 scores and probabilities of a query block
+    if uses_splash(model.attention_impl, platform, row_length):
+        scores = 0
     return 2 * tokens * per_token * dtype_bytes + scores
 
 
@@ -100,7 +109,7 @@ def _trainer_transients(
     trainer_dtype = cfg.trainer.compute_dtype
     c = _bytes(model.compute_dtype_on(platform) if trainer_dtype == "model" else trainer_dtype)
     expert_group = _expert_group(model, mesh_shape, platform)
-    layer = _layer_activations(model, tokens, packing.row_length, rows, c, expert_group) // _shards(
+    layer = _layer_activations(model, tokens, packing.row_length, rows, c, platform, expert_group) // _shards(
         mesh_shape, "tensor"
     )
     saved = tokens * model.hidden_size * c  # a layer's input, kept for the backward pass
@@ -155,14 +164,15 @@ def trainer_items(
     ]
 
 
-def engine_transients(engine: EngineConfig, model: ModelConfig, c: int) -> tuple[int, int, int]:
+def engine_transients(engine: EngineConfig, model: ModelConfig, c: int, platform: str) -> tuple[int, int, int]:
     """(rows, bytes) of the largest prefill (its keys and values, half a layer's activations: no cotangents) and
     the bytes of a decode step's logits and the sampler's sorted copies, in compute dtype of `c` bytes."""
     k, h = model.num_kv_heads, model.resolved_head_dim
     kv_layers = model.num_layers if model.hybrid is None else model.hybrid.count("full_attention")
     rows = min(engine.max_prefill_batch, engine.max_slots)
     tokens = rows * engine.max_length
-    prefill = kv_layers * tokens * k * h * 2 * c + _layer_activations(model, tokens, engine.max_length, rows, c) // 2
+    activations = _layer_activations(model, tokens, engine.max_length, rows, c, platform)
+    prefill = kv_layers * tokens * k * h * 2 * c + activations // 2
     decode = engine.max_slots * model.vocab_size * 4 * 4
     return rows, prefill, decode
 
@@ -189,7 +199,7 @@ def inference_items(
         kv = kv_layers * engine.max_slots * engine.max_length * k * h * 2 * c // (head_shards * slot_shards)
         kv_name = f"KV cache (dense: {engine.max_slots} slots x {engine.max_length})"
         kv_keys = ("rollout.engine.max_slots", "rollout.engine.max_length", "rollout.engine.kv_cache")
-    rows, prefill, decode = engine_transients(engine, model, c)
+    rows, prefill, decode = engine_transients(engine, model, c, platform)
     items = [
         MemoryItem(
             f"engine weights ({compute if served == c else model.param_dtype})",

@@ -136,7 +136,7 @@ def inference_items(
         kv_keys = ("rollout.engine.max_slots", "rollout.engine.max_length", "rollout.engine.kv_cache")
         segments = len(segment_ends(engine.max_length, engine.prefill_buckets()[0]))
     items.append(MemoryItem(kv_name, kv, kv_keys))
-    rows, prefill, decode = engine_transients(engine, model, c)
+    rows, prefill, decode = engine_transients(engine, model, c, "tpu")
     code = DECODE_CODE_BYTES_PER_LAYER_SEGMENT * y * segments
     if prefill >= decode + code:
         items.append(
