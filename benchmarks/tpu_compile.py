@@ -121,6 +121,7 @@ def main() -> None:
         started = time.perf_counter()
         report = compile_for_slice(cfg, topology)
         seconds = time.perf_counter() - started
+        step = recipe_step(cfg, report) if args.recipe else {}  # reads the (shallow) checkpoint's config.json
     if args.recipe:  # what `areal-jax compile RECIPE --topology SLICE` prints
         print("\n".join(report.lines()))
     print(f"topology: {report.tpu_slice.name} ({report.tpu_slice.topology_name})")
@@ -138,7 +139,6 @@ def main() -> None:
             print(f"{side.side}_{line}_agreement: {agreement.ratio:.2f} ratio")
             worst = min(worst, agreement.ratio)
     if args.recipe:
-        step = recipe_step(cfg, report)
         units = {"roofline": "s", "per_s": "tokens/s", "mfu": "ratio", "bytes": "GB"}
         for key, value in step.items():
             unit = next(u for part, u in units.items() if part in key)

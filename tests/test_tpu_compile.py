@@ -144,7 +144,10 @@ def test_memory_plan_for_hardware_this_machine_lacks(tmp_path, capsys):
     assert "memory plan on v5p-8:" in out and "inference: 3 device(s)" in out and "of 87.4 GiB usable" in out
     assert "warning: the rollout's mesh splits fsdp over 3 chips" in err and "rollout.inference_share" in err
     assert main(["plan", "--memory", "--topology", "v5p-16", *run]) == 0
-    assert "warning" not in capsys.readouterr().err  # 6 and 2 chips
+    assert "warning: the rollout's mesh splits fsdp over 6 chips" in capsys.readouterr().err  # 6 of 8
+    even = ["rollout.inference_share=1", "rollout.trainer_share=1"]
+    assert main(["plan", "--memory", "--topology", "v5p-16", *run, *even]) == 0
+    assert "warning" not in capsys.readouterr().err  # 4 and 4 chips
     assert main(["plan", "--memory", "--devices", "8", "--device-memory-gib", "80", *run]) == 0
     out = capsys.readouterr().out
     assert "memory plan on 8 x 80 GiB GPUs:" in out and "trainer: 2 device(s)" in out and "of 73.6 GiB usable" in out
@@ -154,23 +157,17 @@ def test_memory_plan_for_hardware_this_machine_lacks(tmp_path, capsys):
     assert "--device-memory-gib" in capsys.readouterr().err
 
 
-def test_a_decode_step_over_three_chips_is_refused_naming_the_share(capsys):
-    """XLA:TPU compiles no all-reduce fusion over 3 chips: a decode step of 240 slots whose weights split over them
-    makes one (6 slots do not), so the compile command exits 2 naming the rollout's share key; the plan only
-    warns (a mesh of 3 compiles while no program all-reduces over it)."""
-    three = [
-        *[o for o in TINY if not o.startswith(("rollout.inference_share", "model.hidden_size"))],
-        "model.hidden_size=384",  # splits over 3 chips
-        "rollout.inference_share=3",
-        "rollout.engine.max_slots=240",  # 80 a chip
-        "rollout.engine.max_length=64",
-        "rollout.engine.min_prefill_bucket=32",
-    ]
+@pytest.mark.parametrize("topology, rollout_chips", [("v5p-8", 3), ("v5e-8", 6)])
+def test_a_mesh_that_does_not_divide_the_slice_is_refused_before_compiling(capsys, topology, rollout_chips):
+    """XLA:TPU refused an all-reduce over 3 of v5p-8's 4 chips (the 1.5B recipe's decode step) and aborted the process
+    on one over 6 of v5e-8's 8 (the 0.5B recipe's): the compile command refuses such a mesh before compiling, naming
+    the side's share key."""
+    shares = [o for o in TINY if not o.startswith(("rollout.inference_share", "rollout.trainer_share"))]
     config = str(ROOT / "configs/train_cpu.yaml")
-    assert main(["compile", config, *three, "--topology", "v5p-8"]) == EXIT_USER_ERROR
+    run = [config, *shares, "rollout.inference_share=3", "rollout.trainer_share=1", "--topology", topology]
+    assert main(["compile", *run]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
-    assert "rollout.inference_share: the rollout's mesh splits fsdp over 3 chips" in err, err
-    assert "odd and greater than one" in err  # the compiler's own words
+    assert f"rollout.inference_share: the rollout's mesh splits fsdp over {rollout_chips} chips" in err, err
 
 
 def test_paged_engine_compiles_with_the_tpu_kernel_per_shard():

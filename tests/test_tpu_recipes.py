@@ -11,7 +11,7 @@ import pytest
 from areal_jax.cli import main
 from areal_jax.config import load_experiment
 from areal_jax.planning.architecture import SIZING, architecture, config_json
-from areal_jax.planning.hardware import hardware, plan_for_hardware
+from areal_jax.planning.hardware import hardware, mesh_warnings, plan_for_hardware
 from areal_jax.planning.memory import GIB, USABLE_SHARE
 
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipes"
@@ -49,6 +49,7 @@ def test_tpu_recipe_fits_its_slice_by_the_plan(recipe):
     assert (model.num_layers, model.hidden_size, model.num_kv_heads) == (layers, width, kv_heads)
     assert model.num_params() / 1e9 == pytest.approx(billions, abs=0.01)
     where = hardware(TPU[recipe], None, None, None)
+    assert not mesh_warnings(cfg, where)  # each side's chips divide the slice's (XLA:TPU's all-reduce groups)
     plan = plan_for_hardware(cfg, where)
     usable = where.device_bytes * USABLE_SHARE
     for side in plan.sides:

@@ -14,7 +14,7 @@ from areal_jax.compile.agreement import agreements
 from areal_jax.compile.engine_programs import EngineOnMesh
 from areal_jax.compile.programs import compile_program
 from areal_jax.compile.side import SideReport
-from areal_jax.compile.topology import GIB, Slice, odd_groups_refused, parse_slice, slice_devices
+from areal_jax.compile.topology import GIB, Slice, parse_slice, slice_devices, uneven_mesh_axes
 from areal_jax.compile.trainer_programs import resident_lines, trainer_programs
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
@@ -127,6 +127,13 @@ def compile_for_slice(
         inference_devices, trainer_devices = list(slice_devices(rollout_slice.name)), devices
     trainer_mesh = make_mesh(cfg.mesh, trainer_devices)
     inference_mesh = make_mesh(cfg.mesh, inference_devices)
+    for which, mesh, chips, key in (
+        ("trainer", trainer_mesh, tpu_slice.chips, "rollout.trainer_share"),
+        ("rollout", inference_mesh, (rollout_slice or tpu_slice).chips, "rollout.inference_share"),
+    ):
+        advice = uneven_mesh_axes(which, dict(mesh.shape), chips, key)
+        if advice is not None:  # before compiling: libtpu may abort the process on it
+            raise ConfigError(key, advice)
     model = on_platform(architecture(cfg), "tpu")
     plan = plan_memory(cfg, model, trainer_mesh, inference_mesh)
     trainer_plan, inference_plan = plan.sides
@@ -149,11 +156,9 @@ def compile_for_slice(
 
     # what a chip holds between programs, now in the layouts the compiler chose (the early refusals above use
     # the arrays' own bytes, a lower bound)
-    with odd_groups_refused("trainer", dict(trainer_mesh.shape), "rollout.trainer_share"):
-        trainer_compiled = [compile_program(s) for s in specs]
+    trainer_compiled = [compile_program(s) for s in specs]
     trainer_resident = resident_lines(cfg, specs, trainer_compiled)
-    with odd_groups_refused("rollout", dict(inference_mesh.shape), "rollout.inference_share"):
-        engine_compiled = engine.compile(every_bucket)
+    engine_compiled = engine.compile(every_bucket)
     decode = next(p for p in reversed(engine_compiled) if p.name.startswith("decode"))
     engine_resident = engine.resident_lines(decode)
     trainer = side("trainer", tpu_slice, trainer_mesh, trainer_compiled, trainer_resident, trainer_plan.items)

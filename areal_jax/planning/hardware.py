@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from areal_jax.compile.topology import GIB, odd_mesh_axes, parse_slice
+from areal_jax.compile.topology import GIB, parse_slice, uneven_mesh_axes
 from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import ConfigError
 from areal_jax.planning.architecture import architecture
@@ -65,12 +65,14 @@ def plan_for_hardware(cfg: ExperimentConfig, where: Hardware) -> MemoryPlan:
 
 
 def mesh_warnings(cfg: ExperimentConfig, where: Hardware) -> list[str]:
-    """What the plan cannot say fits but a TPU compile may refuse: a side's mesh axis over an odd number of chips."""
+    """What the plan cannot say fits but a TPU compile refuses (`areal-jax compile`, before compiling): a side's mesh
+    axis over a number of chips that does not divide the slice's."""
     if where.platform != "tpu":
         return []
     inference, trainer, _ = _side_devices(cfg, where)
+    rollout_slice = where.devices if where.rollout_devices is None else where.rollout_devices
     found = [
-        odd_mesh_axes("trainer", _shape(cfg, trainer), "rollout.trainer_share"),
-        odd_mesh_axes("rollout", _shape(cfg, inference), "rollout.inference_share"),
+        uneven_mesh_axes("trainer", _shape(cfg, trainer), where.devices, "rollout.trainer_share"),
+        uneven_mesh_axes("rollout", _shape(cfg, inference), rollout_slice, "rollout.inference_share"),
     ]
     return [warning for warning in found if warning is not None]
