@@ -2,11 +2,12 @@
 (libtpu, no TPU), with the compile times and the compiler's per-chip memory beside the memory plan.
 
 Default: the Qwen2.5-0.5B GSM8K GPU recipe's run at the model's full shape (its config.json from
-`benchmarks/scale.py`) on `--topology` (v5p-8). `--quick`: 2 layers of width 128 and a 512-token vocabulary on
-v5e-8, in under a minute. `--recipe NAME`: one of the `_tpu` recipes (`RECIPES`, each on its slice) at full
-depth, or at `--layers N` (the same widths, fewer layers); it adds the recipe's step: per-chip memory, the
-roofline step time and tokens/s bound, the MFU bound and the collective bytes (docs/tpu.md's recipe table).
-Prints `name: value unit` lines; the last is `ratio plan_agreement: X.XX`, the worst over both sides' lines
+`benchmarks/scale.py`) on `--topology` (v5p-8), 2 + 2 chips (its 3:1 shares give the rollout 3 of 4 chips, which
+`areal-jax compile` refuses: XLA:TPU's all-reduce groups must divide the slice). `--quick`: 2 layers of width 128
+and a 512-token vocabulary on v5e-8, in under a minute. `--recipe NAME`: one of the `_tpu` recipes (`RECIPES`, each
+on its slice) at full depth, or at `--layers N` (the same widths, fewer layers); it adds the recipe's step: per-chip
+memory, the roofline step time and tokens/s bound, the MFU bound and the collective bytes (docs/tpu.md's recipe
+table). Prints `name: value unit` lines; the last is `ratio plan_agreement: X.XX`, the worst over both sides' lines
 (resident state, largest program, total) of min(plan / compiler, compiler / plan) per chip.
 """
 
@@ -39,6 +40,7 @@ QUICK = [
     "rollout.inference_share=1",
     "rollout.trainer_share=1",
 ]
+EVEN_SHARES = ["rollout.inference_share=1", "rollout.trainer_share=1"]
 # the `_tpu` recipes and the slice each is sized for (tests/test_tpu_recipes.py holds the same table)
 RECIPES = {
     "r1_distill_qwen_1p5b_deepscaler_tpu": "v5p-8",
@@ -115,7 +117,7 @@ def main() -> None:
                 overrides = [f"hf_checkpoint={shallow_checkpoint(config, args.layers, Path(checkpoint))}"]
         else:
             (Path(checkpoint) / "config.json").write_text(json.dumps(SHAPES["qwen25-0.5b"]))
-            config, overrides = args.config, [f"hf_checkpoint={checkpoint}", "tokenizer=null"]
+            config, overrides = args.config, [f"hf_checkpoint={checkpoint}", "tokenizer=null", *EVEN_SHARES]
             topology = args.topology or "v5p-8"
         cfg = load_experiment(config, overrides)
         started = time.perf_counter()
