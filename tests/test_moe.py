@@ -305,8 +305,8 @@ def test_megablox_per_shard_equals_one_device():
         value_8, grads_8 = step(*args, "megablox")
     assert "shard_map" in lowered.as_text() or "sdy.manual_computation" in lowered.as_text()
     np.testing.assert_allclose(value_8, value_1, rtol=1e-5)
-    for g8, g1 in zip(grads_8, grads_1, strict=True):
-        np.testing.assert_allclose(g8, g1, atol=1e-5)
+    for g8, g1 in zip(grads_8, grads_1, strict=True):  # f32 sums in another order: ~1 ulp per term
+        np.testing.assert_allclose(g8, g1, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -343,8 +343,8 @@ def test_all_to_all_dispatch_equals_one_device(routing, impl):
         assert set(np.asarray(route(logits, K, False)[1]).ravel()) == {0, 1}
         assert float(jnp.abs(grads_1[2][2:]).max()) == 0.0 < float(jnp.abs(grads_1[2][:2]).min())
     np.testing.assert_allclose(value_8, value_1, rtol=1e-5)
-    for g8, g1 in zip(grads_8, grads_1, strict=True):
-        np.testing.assert_allclose(g8, g1, atol=1e-5)
+    for g8, g1 in zip(grads_8, grads_1, strict=True):  # f32 sums in another order: ~1 ulp per term
+        np.testing.assert_allclose(g8, g1, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_command_compiles_a_mixture_with_replay_for_a_tpu_slice(capsys):
