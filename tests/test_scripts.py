@@ -288,3 +288,23 @@ def test_benchmark_table_has_one_row_per_run_with_its_status(tmp_path):
     assert "| failed (exit 1): ModuleNotFoundError: No module named 'torch' | — | — |" in rows[3]
     assert "| timed out after 60 s | — | — |" in rows[4]
     assert "| skipped (time budget spent) | — | — |" in rows[5]
+
+
+def test_suite_file_times_sums_each_files_tests_heaviest_first(tmp_path, capsys):
+    from scripts.suite_file_times import main
+
+    report = tmp_path / "report.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="t1" time="1.5"/>'
+        '<testcase classname="tests.test_b" name="t1" time="2.0"/>'
+        '<testcase classname="tests.test_a.TestGroup" name="t2" time="1.0"/>'
+        '<testcase classname="tests.test_c" name="t1" time="0.1"/>'
+        "</testsuite></testsuites>"
+    )
+    assert main([str(report), "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("summed test time: 5 s over 4 tests")
+    assert lines[1].split() == ["2.5", "s", "2", "tests", "test_a.py"]  # a class's tests count to their file
+    assert lines[2].split() == ["2.0", "s", "1", "tests", "test_b.py"] and len(lines) == 3
+    assert main([]) == 2
