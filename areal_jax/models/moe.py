@@ -18,7 +18,6 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental.pallas.ops.tpu import megablox
 from jax.sharding import AbstractMesh, Mesh
 
 from areal_jax.activation_sharding import mesh_platform, program_mesh
@@ -50,6 +49,8 @@ def _megablox(
     lhs_RxI: jax.Array, rhs_GxIxO: jax.Array, group_sizes_E: jax.Array, group_offset: jax.Array | None
 ) -> jax.Array:
     """megablox.gmm over rows padded to its row tile; interpreted off TPU (for tests: slow, same numbers)."""
+    from jax.experimental.pallas.ops.tpu import megablox  # here: Pallas TPU's import costs every process ~0.5 s
+
     r, i = lhs_RxI.shape
     tm = min(_MEGABLOX_TILE, -(-r // 8) * 8)
     padded = -(-r // tm) * tm
