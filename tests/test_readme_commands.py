@@ -13,6 +13,8 @@ display (its last frame), the TensorBoard event file, metrics.jsonl and the plot
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -28,7 +30,7 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from areal_jax.cli import parse_command_line
+from areal_jax.cli import main, parse_command_line
 from areal_jax.config import load_experiment
 from areal_jax.configuration import to_yaml
 from areal_jax.exit_codes import EXIT_USER_ERROR
@@ -209,6 +211,15 @@ class ReadmeSession:
         )
         return done
 
+    def call(self, words: list[str], expect: int = 0) -> subprocess.CompletedProcess[str]:
+        """A command that neither trains nor compiles (or is refused first), through the CLI's entry point (what
+        the `areal-jax` script calls) in this process: a process of its own costs seconds of imports."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(words[1:])
+        assert code == expect, f"{shlex.join(words)} exited {code}\n{out.getvalue()[-3000:]}\n{err.getvalue()[-3000:]}"
+        return subprocess.CompletedProcess(words, code, out.getvalue(), err.getvalue())
+
     def bind(self, word: str, calibrating: bool) -> str:
         """A README word with its placeholders bound: a `runs/...` path goes into the output directory."""
         # a calibration run's two sides may not share cores while both run: a `launch local` run, or a
@@ -319,7 +330,9 @@ class ReadmeSession:
             if Path(cfg.run_dir).exists():
                 # the run the README ran before it is there: a new run over it is refused, naming --overwrite
                 argv = [*words, *SHORT[config], f"output_dir={self.output_dir}"]
-                done = self.execute(argv, expect=EXIT_USER_ERROR)  # `launch` prints its trainer's output
+                # (`launch` prints its trainer's output: a process of its own)
+                run = self.execute if args.command == "launch" else self.call
+                done = run(argv, expect=EXIT_USER_ERROR)
                 said = [line for line in (done.stdout + done.stderr).splitlines() if "run directory:" in line]
                 assert said and "--overwrite" in said[-1], done.stdout[-2000:] + done.stderr[-2000:]
                 assert (Path(cfg.run_dir) / "hf_final").is_dir()  # and left alone
@@ -329,13 +342,13 @@ class ReadmeSession:
                 overrides = [*SHORT[config], f"output_dir={self.output_dir}"]
                 self.trained(config, overrides, self.execute([*words, *overrides]))
         elif args.command == "config" and args.describe:
-            listed = {line.split(" ", 1)[0] for line in self.execute(words).stdout.splitlines()}
+            listed = {line.split(" ", 1)[0] for line in self.call(words).stdout.splitlines()}
             top_level = {key.split(".")[0] for key in listed}
             named = readme_config_keys(README.read_text(), top_level)
             unknown = {key for key in named if not any(k == key or k.startswith(f"{key}.") for k in listed)}
             assert named and not unknown, f"the README names config keys that `config --describe` lacks: {unknown}"
         elif args.command == "profile-summary":
-            out = self.execute(words).stdout
+            out = self.call(words).stdout
             assert str(args.directory) in out.splitlines()[0] and len(out.splitlines()) > 2, out
         elif args.command == "sft" and config in SHORT:
             overrides = [*SHORT[config], f"output_dir={self.output_dir}"]
@@ -345,10 +358,10 @@ class ReadmeSession:
             assert summary["steps"] == cached["steps"] == cfg.warm_start.steps  # the run's warm start, replaced
             assert list((Path(cfg.run_dir) / "warm_start").glob("*/config.json"))  # and its HF checkpoint
         elif args.command == "plan" and args.memory:
-            out = self.execute(words).stdout
+            out = self.call(words).stdout
             assert re.search(r"^(fits: |not checked)", out, re.MULTILINE), out
         elif args.command == "plan" and args.calibration:
-            out = self.execute([*words, "--skip-steps", "1"]).stdout  # the run has STEPS steps
+            out = self.call([*words, "--skip-steps", "1"]).stdout  # the run has STEPS steps
             splits = [line.split()[:3] for line in out.splitlines() if re.match(r"\d+ : \d+ ", line)]
             assert splits == [[str(n), ":", str(args.devices - n)] for n in range(1, args.devices)], out
             assert re.search(r"^recommended: (\d+ inference : \d+ training|colocated on all)", out, re.M), out
