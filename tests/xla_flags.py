@@ -1,13 +1,20 @@
 """The XLA flags of the test suite, for its own process (conftest) and the subprocesses tests start.
 
-LLVM's optimisation level 0 for XLA:CPU's generated kernels: the suite mostly compiles small programs (the
-whole suite ~9:40 -> ~7 min on 2 cores); matmuls run in precompiled libraries either way, and what each
-program computes is fixed by XLA, not LLVM, though rounding may differ in the last bit. So every process of
-the suite compiles at the same level: the tests that compare a subprocess's numbers with their own bit for
-bit would otherwise compare two code generators.
+The suite's time is mostly XLA:CPU compiling small programs (backend compiles were 94 of the 112 s of
+tests/test_engine.py + test_paged_kv.py), so its code generator is set for compile time, not speed:
+- LLVM's optimisation level 0 for the generated kernels (the whole suite ~9:40 -> ~7 min on 2 cores);
+- XLA:CPU's classic elemental emitters, not its MLIR fusion emitters, and one LLVM module per program, not
+  a program split for parallel code generation (which 2 cores cannot use): those two files 112 -> 65 s,
+  tests/test_train_step.py 33 -> 18 s (backend compiles 22.8 -> 8.7 s), measured 2026-12-04.
+Matmuls run in precompiled libraries either way, and what each program computes is fixed by XLA's HLO, not
+the code generator, though rounding may differ in the last bit. So every process of the suite compiles with
+the same flags: the tests that compare a subprocess's numbers with their own bit for bit would otherwise
+compare two code generators.
 """
 
-SUITE_FLAGS = "--xla_backend_optimization_level=0"
+SUITE_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+)
 
 
 def xla_flags(devices: int) -> str:
