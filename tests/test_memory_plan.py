@@ -28,6 +28,8 @@ HEAVY = [
     "model.num_kv_heads=2",
 ]
 RUN = ["train_steps=1", "eval.every_steps=0", "dataset.heldout=0", "report.plots=false", "report.live=never"]
+# one prefill row bucket, not three: the run's time is mostly compiles, its peak the train step's
+RUN += ["rollout.engine.max_prefill_batch=1"]
 # The plan counts the largest micro-batch the packing can produce (8 rows x 128); a one-step run of short answers
 # packs smaller ones unless every micro-batch is padded to that shape.
 LARGEST_MICROBATCH = ["trainer.packing.min_row_length=128", "trainer.packing.min_rows=8"]
