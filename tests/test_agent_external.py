@@ -33,7 +33,7 @@ from areal_jax.rollout.staleness import Admission, StalenessConfig, StalenessMan
 from areal_jax.rollout.workflow import WorkflowConfig
 from tests.test_agent_proxy import base_sampling, tiny_generator, tool_tokenizer_dir
 
-TIMEOUT_S = 20.0  # agent.episode_timeout_s of the controller test: an episode must end within it, under load too
+TIMEOUT_S = 10.0  # agent.episode_timeout_s of the controller test: an episode must end within it, under load too
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ def _start(command: list[str], log: Path) -> subprocess.Popen:
 
 def _agent(port: int, events: Path, output: Path) -> subprocess.Popen:
     command = [sys.executable, "examples/outside_agent/agent.py", f"--url=http://127.0.0.1:{port}"]
-    command += ["--concurrency=2", "--work-s=1.0", "--give-up-s=600", f"--log={events}"]  # the test ends it
+    command += ["--concurrency=2", "--work-s=0.4", "--give-up-s=600", f"--log={events}"]  # the test ends it
     return _start(command, output)
 
 
