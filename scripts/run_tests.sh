@@ -6,14 +6,15 @@
 #           `system` and `slow`, set by file in tests/conftest.py), no JetStream suite; within FAST_BUDGET_S.
 # Each run prints its 15 slowest tests and heaviest files (scripts/suite_file_times.py) and fails when the
 # main pytest run takes longer than its budget (SUITE_BUDGET_S, FAST_BUDGET_S), so a change that makes the
-# suite slower is seen when it lands, not several changes later. The same commit's full suite took 1,395 s
-# and 1,769 s on the 2-core machine 40 minutes apart (2026-12-03; the fast tier 346 s), and 2,082 s in CI
-# (2026-12-04), so the budgets sit above the slower figures, past that noise; issue 38's targets, 720 s and
-# 300 s, are not reached yet.
+# suite slower is seen when it lands, not several changes later. On 2026-12-04 the full suite took 657 s and
+# the fast tier 163 s on the idle 2-core machine (the same commit has run 27% slower 40 minutes later), so
+# the budgets sit ~45% above them, past that noise. Most of the suite's time is XLA:CPU compiling small
+# programs: its code generator is set for compile time (tests/xla_flags.py), and the .venv's modules are
+# compiled to bytecode once at install (scripts/install_requirements.sh), not in every process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SUITE_BUDGET_S=${SUITE_BUDGET_S:-2700}
-FAST_BUDGET_S=${FAST_BUDGET_S:-720}
+SUITE_BUDGET_S=${SUITE_BUDGET_S:-960}
+FAST_BUDGET_S=${FAST_BUDGET_S:-300}
 fast=0
 if [ "${1:-}" = --fast ]; then
   fast=1

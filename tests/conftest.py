@@ -64,40 +64,58 @@ class CompileCounter:
 # first, so the two xdist workers (`--dist loadfile --no-loadscope-reorder` hands out files in collection
 # order; without the flag xdist reorders files by their number of tests) start on them and finish on short
 # files instead of one worker running a long file alone at the end.
-_LONG_FIRST = (  # by each file's total time in a full run (sessions 6-7, --durations): 170 s ... ~40 s
-    "test_async_rl.py",
-    "test_recipes.py",
-    "test_readme_commands.py",
+_LONG_FIRST = (  # by each file's total time in a full run (2026-12-04, --junitxml): 113 s ... ~25 s
     "test_memory_plan.py",
-    "test_distributed_trainer.py",
     "test_gcs_run.py",
+    "test_readme_commands.py",
+    "test_moe.py",
+    "test_moe_replay.py",
+    "test_recipes.py",
+    "test_distributed_trainer.py",
     "test_resume_prompts.py",
-    "test_exact_resume.py",
-    "test_failures.py",
+    "test_paged_kv.py",
     "test_engine.py",
     "test_mirrored_engine.py",
+    "test_hybrid_run.py",
+    "test_outside_agent.py",
+    "test_async_rl.py",
+    "test_exact_resume.py",
+    "test_failures.py",
 )
 
 
 # The files whose tests run the whole system (engine, generator, log, pipeline, trainer together, mostly as
 # real processes) or take tens of seconds each: marked `system`, which `scripts/run_tests.sh --fast` leaves out.
-_SYSTEM = frozenset(_LONG_FIRST) | {
-    "test_lora_eval.py",
-    "test_evaluation.py",
-    "test_tiny_hf_run.py",
-    "test_agent_workflow.py",
-    "test_outside_agent.py",
-    "test_run_dir.py",
-    "test_direct_weights.py",
-    "test_weights.py",
-    "test_train_checkpoint.py",
-    "test_rollout_log.py",
-    "test_checkpoint_dtypes.py",
-    "test_profiling.py",
-    "test_lora_run.py",
-    "test_moe_replay.py",
-    "test_hybrid_run.py",
-}
+_SYSTEM = frozenset(
+    {
+        "test_async_rl.py",
+        "test_recipes.py",
+        "test_readme_commands.py",
+        "test_memory_plan.py",
+        "test_distributed_trainer.py",
+        "test_gcs_run.py",
+        "test_resume_prompts.py",
+        "test_exact_resume.py",
+        "test_failures.py",
+        "test_engine.py",
+        "test_mirrored_engine.py",
+        "test_lora_eval.py",
+        "test_evaluation.py",
+        "test_tiny_hf_run.py",
+        "test_agent_workflow.py",
+        "test_outside_agent.py",
+        "test_run_dir.py",
+        "test_direct_weights.py",
+        "test_weights.py",
+        "test_train_checkpoint.py",
+        "test_rollout_log.py",
+        "test_checkpoint_dtypes.py",
+        "test_profiling.py",
+        "test_lora_run.py",
+        "test_moe_replay.py",
+        "test_hybrid_run.py",
+    }
+)
 # Unit files whose compiles take tens of seconds (a full run's --durations): marked `slow`, also left out of
 # `--fast`, which keeps one quick check of each piece (the golden step, the engine, the objectives, packing).
 _SLOW = frozenset(
