@@ -7,7 +7,7 @@
 # Each run prints its 15 slowest tests and heaviest files (scripts/suite_file_times.py) and fails when the
 # main pytest run takes longer than its budget (SUITE_BUDGET_S, FAST_BUDGET_S), so a change that makes the
 # suite slower is seen when it lands, not several changes later. On 2026-12-04 the full suite took 657 s and
-# the fast tier 163 s on the idle 2-core machine (the same commit has run 27% slower 40 minutes later), so
+# the fast tier 120 s on the idle 2-core machine (the same commit has run 27% slower 40 minutes later), so
 # the budgets sit ~45% above them, past that noise. Most of the suite's time is XLA:CPU compiling small
 # programs: its code generator is set for compile time (tests/xla_flags.py), and the .venv's modules are
 # compiled to bytecode once at install (scripts/install_requirements.sh), not in every process.
