@@ -6,8 +6,8 @@
 # (.venv) and 6 (.venv-jetstream, TensorFlow) minutes on 2 cores. Wheels that pip is pointed at through
 # PIP_FIND_LINKS (a machine's local wheel directory, e.g. the CPU build of torch) are offered to uv as well.
 # --compile-bytecode writes the .pyc of every installed module (uv leaves that to the first import, and
-# where PYTHONDONTWRITEBYTECODE is set, as on CI's machines, every process compiles jax, flax, optax ... anew:
-# `import areal_jax.jobs.train` took 5.7-6.3 s without them and 1.8-2.1 s with them on the 2-core machine,
+# where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, every process compiles jax, flax ... anew:
+# `import areal_jax.jobs.train` took 4.0-6.3 s without them and 1.8-2.1 s with them on the 2-core machine,
 # in each of the ~100 processes a test run starts).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,6 +16,7 @@ from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError
 from areal_jax.planning.memory import GIB, plan_memory
 from areal_jax.sharding import MeshConfig, make_mesh
+from tests.xla_flags import xla_flags
 
 BASE = "configs/train_cpu.yaml"
 # Models whose state (params, Adam, gradients: ~5x the params) dwarfs the process's runtime, compiled fast
@@ -82,8 +83,8 @@ def _measured_peak_rss(tmp_path, overrides: list[str]) -> int:
     )
     command = [sys.executable, "-m", "areal_jax.cli", "train", BASE, *overrides, f"output_dir={tmp_path}"]
     # one CPU device, as the plan is made for, and XLA:CPU's own fusion emitters, as on a user's machine (the
-    # suite's classic ones fuse less, a lower peak: tests/xla_flags.py); LLVM's level does not move buffers
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+    # suite's classic ones fuse less, a lower peak); LLVM's level does not move buffers
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1, classic_emitters=False)}
     out = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=600, env=env)
     peak, code = out.stdout.strip().splitlines()[-1].split()
     assert code == "0", out.stderr[-3000:]

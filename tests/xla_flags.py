@@ -12,11 +12,13 @@ the same flags: the tests that compare a subprocess's numbers with their own bit
 compare two code generators.
 """
 
-SUITE_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
-)
+LLVM_LEVEL = "--xla_backend_optimization_level=0"
+CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+SUITE_FLAGS = f"{LLVM_LEVEL} {CLASSIC_EMITTERS}"
 
 
-def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process of the suite with `devices` virtual CPU devices."""
-    return f"--xla_force_host_platform_device_count={devices} {SUITE_FLAGS}"
+def xla_flags(devices: int, classic_emitters: bool = True) -> str:
+    """XLA_FLAGS for a process of the suite with `devices` virtual CPU devices; `classic_emitters=False` keeps
+    XLA:CPU's own fusion emitters (what a user's machine fuses, e.g. for a measured memory peak)."""
+    flags = SUITE_FLAGS if classic_emitters else LLVM_LEVEL
+    return f"--xla_force_host_platform_device_count={devices} {flags}"
