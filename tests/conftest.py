@@ -134,6 +134,7 @@ _SLOW = frozenset(
         "test_hybrid_layers.py",
         "test_gated_delta.py",
         "test_hybrid_engine.py",
+        "test_hybrid_paged.py",
         "test_hybrid_moe.py",
         "test_row_attention.py",
         "test_moe_options.py",

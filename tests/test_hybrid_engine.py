@@ -4,7 +4,8 @@ same tokens under the weights version that sampled it, across an abort (a slot r
 weights mid-generation: the samples re-prefilled), and for a model without full attention (no KV cache at all):
 to fp32 rounding, whose heavy tail is bounded as measured; in float64 a linear layer's decode continues its
 prefill exactly. After warm-up nothing compiles; a sharded engine samples what one device does; an insert
-replaces a slot's whole row; a paged cache is refused; the memory plan counts the decode cache's bytes."""
+replaces a slot's whole row; the memory plan counts the decode cache's bytes. The paged cache for the same
+models: `test_hybrid_paged.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,6 @@ from flax import nnx
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.inference.slot_cache import PAGED_REFUSAL
 from areal_jax.models.hybrid_serving import HybridCache
 from tests.conftest import CompileCounter
 from tests.engine_fixtures import all_at_once
@@ -211,12 +211,6 @@ def test_a_hybrid_cache_insert_replaces_the_whole_slot(versions):
     np.testing.assert_array_equal(keys[2, ..., :32], 1.0)
     np.testing.assert_array_equal(keys[2, ..., 32:], 3.0)  # past the prefix: as it was (masked until written)
     np.testing.assert_array_equal(keys[:2], 3.0)
-
-
-def test_a_paged_cache_is_refused_for_a_hybrid_model(versions):
-    with pytest.raises(ValueError, match="recurrent state per slot"):
-        Engine(versions[0], EngineConfig(max_slots=2, max_length=64, kv_cache="paged"))
-    assert "kv_cache: dense" in PAGED_REFUSAL
 
 
 def test_the_memory_plan_counts_the_full_layers_keys_and_each_slots_states():

@@ -235,7 +235,11 @@ def test_config_checks():
 @pytest.mark.parametrize(
     "override,key,reason",
     [
-        ("rollout.engine.kv_cache=paged", "rollout.engine.kv_cache", "recurrent state per slot"),
+        (  # a paged cache with nothing to page (tests/test_hybrid_paged.py: served paged with full layers)
+            "rollout.engine.kv_cache=paged model.hybrid.layer_types=[linear_attention,linear_attention]",
+            "rollout.engine.kv_cache",
+            "without full-attention layers",
+        ),
         ("model.lora.rank=4", "model.lora", "not supported for family 'qwen3_5'"),
     ],
     ids=["paged-cache", "lora"],
@@ -243,7 +247,8 @@ def test_config_checks():
 def test_what_rl_on_a_qwen3_5_model_cannot_do_is_refused_before_any_weights_load(
     tmp_path, capsys, override, key, reason
 ):
-    """RL on a qwen3_5 policy runs (tests/test_hybrid_run.py); a paged KV cache and LoRA are refused by key."""
+    """RL on a qwen3_5 policy runs (tests/test_hybrid_run.py); a paged KV cache of a model without full-attention
+    layers and LoRA are refused by key."""
     from areal_jax.cli import main
     from areal_jax.exit_codes import EXIT_USER_ERROR
 
@@ -252,6 +257,7 @@ def test_what_rl_on_a_qwen3_5_model_cannot_do_is_refused_before_any_weights_load
         "model.qkv_bias=false",
         "model.hybrid.layer_types=[linear_attention, full_attention]",
     ]
-    assert main(["train", "configs/train_cpu.yaml", *hybrid, override, f"output_dir={tmp_path}"]) == EXIT_USER_ERROR
+    overrides = override.split(" ")
+    assert main(["train", "configs/train_cpu.yaml", *hybrid, *overrides, f"output_dir={tmp_path}"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert key in err and reason in err

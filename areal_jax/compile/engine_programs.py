@@ -5,8 +5,8 @@ the decode step attending the whole cache (dense or paged, as `rollout.engine.kv
 builds them for the rollout mesh (`every_bucket`: each length and row bucket, each decode bucket). Each is
 lowered under `jax.set_mesh` of the mesh, so the kernels chosen are those of its devices' platform (a TPU
 topology's from a CPU host). A hybrid (Qwen3.5) policy's decode state holds, beside its full-attention layers'
-KV cache, a recurrent state and a convolution window per slot and linear layer (`HybridCache`): a resident
-line of their own, read whole by every decode step whatever positions it attends.
+KV cache (dense or paged), a recurrent state and a convolution window per slot and linear layer (`HybridCache`,
+`PagedHybridCache`): a resident line of their own, read whole by every decode step whatever positions it attends.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from areal_jax.compile.programs import (
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import Engine
 from areal_jax.inference.paged import pages_for
+from areal_jax.inference.paged_hybrid import PagedHybridCache
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.hybrid_serving import HybridCache
@@ -77,7 +78,7 @@ class EngineOnMesh:
             lines.append(("per-layer weight copies", size(1, self.layers)))
         cache = size(2, self.decode_state.cache, lambda formats: formats.cache)
         hybrid = self.decode_state.cache
-        if isinstance(hybrid, HybridCache):
+        if isinstance(hybrid, HybridCache | PagedHybridCache):
             states = size(2, (hybrid.state, hybrid.window), lambda formats: (formats.cache.state, formats.cache.window))
             lines += [("KV cache", cache - states), ("recurrent states", states)]
         else:
@@ -90,7 +91,7 @@ class EngineOnMesh:
         of the KV cache, and every recurrent state and convolution window whole."""
         cache = self.decode_state.cache
         length = self.engine.config.max_length
-        if not isinstance(cache, HybridCache):
+        if not isinstance(cache, HybridCache | PagedHybridCache):
             return per_chip_bytes(cache) * bucket // length
         return per_chip_bytes(cache.kv) * bucket // length + per_chip_bytes((cache.state, cache.window))
 

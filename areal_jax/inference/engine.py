@@ -15,9 +15,10 @@ token it feeds ([Ym, K] per token, Ym sparse layers, `routing_dtype`): what rout
 
 The cache is dense (`kv_cache: dense`: [slots, max_length] per layer, whatever the tokens in flight; for a
 Qwen3.5 model also a recurrent state and convolution window per slot and linear layer: `slot_cache.py`, the
-protocol both kinds of dense cache follow) or paged (attention-only models; `kv_cache: paged`, `paged.py`):
-pages of `page_size` tokens from one pool, a page table per slot. A paged engine's `insert_batch` takes each
-row's pages and its `generate` the step's page-table changes; the caller (the generator) owns the allocator.
+protocol both kinds of dense cache follow) or paged (`kv_cache: paged`, `paged.py`): pages of `page_size` tokens
+from one pool, a page table per slot; for a Qwen3.5 model its full-attention layers' keys and values in pages and
+the states and windows per slot (`paged_hybrid.py`). A paged engine's `insert_batch` takes each row's pages and
+its `generate` the step's page-table changes; the caller (the generator) owns the allocator.
 
 The decoder's logits arrive with ids past the model's `vocab_limit` masked, so no slot ever samples
 an id the tokenizer cannot decode. Params are versioned (`VersionedParams`); the version is host-side
@@ -44,10 +45,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from areal_jax.inference.engine_config import EngineConfig
 from areal_jax.inference.engine_warmup import compile_programs
 from areal_jax.inference.engine_weights import EngineWeights, VersionedParams
-from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PagedSlots, PrefixEntries, pages_for
+from areal_jax.inference.paged import PagedSlots, pages_for
+from areal_jax.inference.paged_hybrid import (
+    PAGED_CACHES,
+    PagedCache,
+    PagedPrefix,
+    empty_paged_cache,
+    paged_cache_shardings,
+    paged_decode,
+    paged_insert,
+    paged_prefill,
+)
 from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.inference.slot_cache import SlotCache, cache_shardings, check_cache_layout, empty_cache
-from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hybrid import HybridDecoder
 from areal_jax.sharding import logical_to_spec, state_shardings
@@ -60,7 +70,7 @@ class Prefix:
     """One prefilled prompt: its cache (1 row of length Tb), the last prompt token's logits [V] and the
     length."""
 
-    cache: SlotCache | PrefixEntries  # a paged engine's prefill makes `PrefixEntries` (its `insert` refuses them)
+    cache: SlotCache | PagedPrefix  # a paged engine's prefill makes a `PagedPrefix` (its `insert` refuses them)
     logits: jax.Array
     length: jax.Array
 
@@ -68,9 +78,9 @@ class Prefix:
 @flax.struct.dataclass
 class PrefixBatch:
     """Several prefilled prompts of one length bucket: cache (B rows of length Tb; a paged engine's
-    are `PrefixEntries`), logits [B, V], lengths [B]."""
+    a `PagedPrefix`), logits [B, V], lengths [B]."""
 
-    cache: SlotCache | PrefixEntries
+    cache: SlotCache | PagedPrefix
     logits: jax.Array
     lengths: jax.Array
     routing: jax.Array | None = None  # [B, Tb, Ym, K] each position's experts (a mixture of experts; else None)
@@ -80,7 +90,7 @@ class PrefixBatch:
 class DecodeState:
     """Everything a decode step reads and writes, one row per slot."""
 
-    cache: SlotCache | PagedKVCache  # dense: S rows of length T (`slot_cache.py`); paged: pools and page table
+    cache: SlotCache | PagedCache  # dense: S rows of length T (`slot_cache.py`); paged: `paged_hybrid.py`
     positions: jax.Array  # [S] where the pending token is written next
     tokens: jax.Array  # [S] the pending (sampled, not yet fed) token
     logprobs: jax.Array  # [S] its behaviour log-prob
@@ -190,9 +200,9 @@ class Engine:
 
     def _init_decode_state_impl(self) -> DecodeState:
         cfg, s, c = self.model_config, self.config.max_slots, self.config
-        cache: SlotCache | PagedKVCache
+        cache: SlotCache | PagedCache
         if c.paged:
-            cache = PagedKVCache.zeros(cfg, s, c.pool_pages, c.page_size, c.max_pages)
+            cache = empty_paged_cache(cfg, c)
         else:
             cache = empty_cache(cfg, s, c.max_length, first_segment=self.buckets[0])
         return DecodeState(
@@ -358,15 +368,14 @@ class Engine:
     def _prefill_batch_impl(self, state: nnx.State, tokens_BxT: jax.Array, lengths_B: jax.Array) -> PrefixBatch:
         model = nnx.merge(self.graphdef, state)
         routing = None
-        cache: SlotCache | PrefixEntries
-        if self.model_config.moe is not None and isinstance(model, HybridDecoder):  # qwen3_5_moe: a HybridCache
+        cache: SlotCache | PagedPrefix
+        if self.config.paged:  # the full layers' keys and values as they come (and a hybrid model's states)
+            logits_BxV, cache, routing = paged_prefill(model, tokens_BxT, lengths_B)
+        elif self.model_config.moe is not None and isinstance(model, HybridDecoder):  # qwen3_5_moe: a HybridCache
             logits_BxV, cache, routing = model.prefill_routed(tokens_BxT, lengths_B, self.buckets[0])
         elif self.model_config.moe is not None:
             logits_BxV, k, v, routing = model.prefill_entries_routed(tokens_BxT, lengths_B)
-            cache = PrefixEntries(k=k, v=v) if self.config.paged else KVCache.from_entries(k, v, self.buckets[0])
-        elif self.config.paged:
-            logits_BxV, k, v = model.prefill_entries(tokens_BxT, lengths_B)
-            cache = PrefixEntries(k=k, v=v)
+            cache = KVCache.from_entries(k, v, self.buckets[0])
         else:  # the model's own cache: a KVCache, or a hybrid model's HybridCache
             logits_BxV, cache = model.prefill(tokens_BxT, lengths_B, self.buckets[0])
         return PrefixBatch(cache=cache, logits=logits_BxV, lengths=lengths_B, routing=routing)
@@ -409,13 +418,13 @@ class Engine:
         def put(target: jax.Array, values: jax.Array) -> jax.Array:
             return target.at[slots_B].set(values, mode="drop")
 
-        cache: SlotCache | PagedKVCache
+        cache: SlotCache | PagedCache
         if pages_BxW is None:
-            assert not isinstance(ds.cache, PagedKVCache) and type(batch.cache) is type(ds.cache)  # a dense engine's
+            assert not isinstance(ds.cache, PAGED_CACHES) and type(batch.cache) is type(ds.cache)  # a dense engine's
             cache = ds.cache.put_rows(batch.cache, slots_B)
         else:
-            assert isinstance(ds.cache, PagedKVCache) and isinstance(batch.cache, PrefixEntries)  # a paged engine's
-            cache = ds.cache.insert(batch.cache, slots_B, pages_BxW)
+            assert isinstance(ds.cache, PAGED_CACHES)  # a paged engine's
+            cache = paged_insert(ds.cache, batch.cache, slots_B, pages_BxW)
         return DecodeState(
             cache=cache,
             positions=put(ds.positions, batch.lengths),
@@ -435,7 +444,7 @@ class Engine:
         # is ignored. Active slots are always below attend_length.
         limit = self.config.max_length if attend_length is None else attend_length
         positions = jnp.minimum(ds.positions, limit - 1)
-        assert not isinstance(ds.cache, PagedKVCache)  # a dense engine's
+        assert not isinstance(ds.cache, PAGED_CACHES)  # a dense engine's
         cache: Any = ds.cache  # the model's own kind: a KVCache, or a HybridDecoder's HybridCache
         routing = None
         if self.model_config.moe is None:
@@ -465,36 +474,23 @@ class Engine:
         attend_pages: int,
     ) -> tuple[DecodeState, ResultTokens]:
         model = nnx.merge(self.graphdef, state)
-        assert isinstance(ds.cache, PagedKVCache)  # a paged engine's
+        assert isinstance(ds.cache, PAGED_CACHES)  # a paged engine's
         cache = ds.cache.update_table(page_updates_3xS)
         # Idle slots' table rows have no page (their writes are dropped); their positions are clamped so
-        # they index the table and the mask like any slot.
+        # they index the table and the mask like any slot (a hybrid model's idle rows move their states on
+        # harmlessly: the next insert replaces them).
         positions = jnp.minimum(ds.positions, attend_pages * self.config.page_size - 1)
-        args = (ds.tokens, positions, cache.k, cache.v, cache.page_table, attend_pages, layers)
-        routing = None
-        if self.model_config.moe is None:
-            logits_SxV, k, v = model.decode_step_paged(*args)
-        else:
-            logits_SxV, k, v, routing = model.decode_step_paged_routed(*args)
+        logits_SxV, cache, routing = paged_decode(model, ds.tokens, positions, cache, attend_pages, layers)
         split = jax.vmap(lambda data: jax.random.split(jax.random.wrap_key_data(data)))(ds.keys)
         next_keys, sample_keys = split[:, 0], split[:, 1]
         tokens, logprobs = sample_slots(logits_SxV, sample_keys, ds.temperature, ds.top_k, ds.top_p)
         emitted = ResultTokens(tokens=ds.tokens, logprobs=ds.logprobs, routing=routing)
         new_state = dataclasses.replace(
             ds,
-            cache=dataclasses.replace(cache, k=k, v=v),
+            cache=cache,
             positions=ds.positions + 1,
             tokens=tokens,
             logprobs=logprobs,
             keys=jax.vmap(jax.random.key_data)(next_keys),
         )
         return new_state, emitted
-
-
-def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh) -> PagedKVCache:
-    """Where a paged cache's arrays live on `mesh`: the pools split over KV heads like the attention
-    weights (replicated along the other axes: any slot may hold any page), the page table replicated."""
-    shape = (model.num_kv_heads, config.pool_pages, config.page_size, model.resolved_head_dim)
-    pool = NamedSharding(mesh, logical_to_spec(PAGE_POOL_AXES, shape, mesh))
-    # a pytree of shardings, shaped like a PagedKVCache: one sharding for every layer's pool
-    return PagedKVCache(k=pool, v=pool, page_table=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]

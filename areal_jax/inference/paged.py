@@ -173,12 +173,16 @@ class PagedKVCache:
     page_table: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, slots: int, num_pages: int, page_size: int, max_pages: int) -> PagedKVCache:
+    def zeros(
+        cls, cfg: ModelConfig, slots: int, num_pages: int, page_size: int, max_pages: int, layers: int | None = None
+    ) -> PagedKVCache:
+        """Empty pools for `layers` layers (None: every layer of `cfg`; a hybrid model's full layers only)."""
         shape = (cfg.num_kv_heads, num_pages, page_size, cfg.resolved_head_dim)
         dtype = cfg.compute_jnp_dtype
+        layers = cfg.num_layers if layers is None else layers
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
             page_table=jnp.full((slots, max_pages), num_pages, jnp.int32),
         )
 

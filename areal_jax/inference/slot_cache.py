@@ -11,16 +11,18 @@ beside a `KVCache` for the full-attention layers). The engine treats them alike:
   - interruption (new weights mid-generation): the generator re-prefills prompt + tokens so far under the new
     weights and inserts that, so no state made by the old weights survives.
 
-A paged KV cache (`paged.py`) is for attention-only models. Pages let sequences hold only the memory their tokens
-need, and would let sequences that share a prompt share its pages; a recurrent state has neither property (it is
-one fixed-size array per slot, and what it holds after a shared prompt cannot be split per page), so a hybrid
-model is served from the dense cache and `kv_cache: paged` is refused for it (`check_cache_layout`).
+A paged engine (`kv_cache: paged`, `paged.py`) keeps keys and values in pages instead; for a hybrid model only its
+full-attention layers' (`paged_hybrid.py`): the recurrent states and windows stay per slot as here (one fixed-size
+array per slot, which pages would not shrink), inserted, decoded, left behind by an abort and replaced by a
+re-prefill in the same way. A hybrid model without full-attention layers has nothing to page: `kv_cache: paged` is
+refused for it (`check_cache_layout`).
 
 Legend: S slots, T cache length, L linear value heads, E key dim, V value dim, A*J convolution channels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import jax
@@ -37,8 +39,8 @@ STATE_AXES = ("slots", "heads", None, None)
 WINDOW_AXES = ("slots", None, None)
 
 PAGED_REFUSAL = (
-    "a qwen3_5 model keeps a recurrent state per slot (Gated DeltaNet), which pages of keys and values cannot hold "
-    "or share between sequences: its engine uses the dense cache; use kv_cache: dense"
+    "a qwen3_5 model without full-attention layers keeps no keys and values to page (only a recurrent state and "
+    "convolution window per slot); use kv_cache: dense"
 )
 
 
@@ -56,9 +58,14 @@ class SlotCache(Protocol):
         ...
 
 
+def pages_nothing(model: ModelConfig) -> bool:
+    """Whether `model` has no layer that a paged cache would hold (a hybrid model of linear layers only)."""
+    return model.hybrid is not None and not model.hybrid.count("full_attention")
+
+
 def check_cache_layout(model: ModelConfig, paged: bool) -> None:
-    """Refuse a paged cache for a model with recurrent state (ValueError: `PAGED_REFUSAL`)."""
-    if paged and model.hybrid is not None:
+    """Refuse a paged cache for a model with no keys and values to page (ValueError: `PAGED_REFUSAL`)."""
+    if paged and pages_nothing(model):
         raise ValueError(PAGED_REFUSAL)
 
 
@@ -79,10 +86,18 @@ def cache_shardings(model: ModelConfig, batch: int, length: int, mesh: Mesh) -> 
     hy = model.hybrid
     if hy is None:
         return kv
+    return dataclasses.replace(recurrent_shardings(model, batch, mesh), kv=kv if hy.count("full_attention") else None)
+
+
+def recurrent_shardings(model: ModelConfig, batch: int, mesh: Mesh) -> HybridCache:
+    """Where the recurrent part of a hybrid model's cache (kv None) of `batch` rows lives on `mesh`: each state
+    over slots and value heads, each window over slots."""
+    hy = model.hybrid
+    assert hy is not None  # a qwen3_5 model
     state_shape = (batch, hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim)
     window_shape = (batch, hy.conv_kernel - 1, hy.linear_num_key_heads * hy.group_width)
     return HybridCache(
-        kv=kv if hy.count("full_attention") else None,
+        kv=None,
         state=NamedSharding(mesh, logical_to_spec(STATE_AXES, state_shape, mesh)),  # type: ignore[arg-type]
         window=NamedSharding(mesh, logical_to_spec(WINDOW_AXES, window_shape, mesh)),  # type: ignore[arg-type]
     )

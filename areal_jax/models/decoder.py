@@ -26,11 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.activation_sharding import ROW_AXES, constrain
-from areal_jax.models.attention import get_attention, paged_decode_attention, pages_per_block
+from areal_jax.models.attention import get_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
 from areal_jax.models.lora import lora_rngs
 from areal_jax.models.moe import RouterOutput, routing_dtype, sparse_layer_ids
+from areal_jax.models.paged_decode import PagedDecodeStep
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
 _REMAT_POLICIES: dict[str, Any] = {
@@ -466,16 +467,7 @@ class Decoder(nnx.Module):
         where the table has no page), then the slot attends to its first `attend_pages` pages (static;
         covering every position), masked past its position. Returns fp32 logits [B, V], the pools and each fed
         token's experts [B, Ym, K] (None when dense)."""
-        p, page = k_pages[0].shape[1], k_pages[0].shape[2]
-        column_B = jnp.minimum(positions_B // page, page_table_BxM.shape[1] - 1)
-        write_page_B = jnp.take_along_axis(page_table_BxM, column_B[:, None], axis=1)[:, 0]
-        offset_B = positions_B % page
-        # Read: a whole number of attention blocks of pages, every entry a valid pool index (a slot's
-        # pages past its position are masked, so what they hold does not matter).
-        block = pages_per_block(page, attend_pages)
-        read_BxM = jnp.minimum(page_table_BxM[:, :attend_pages], p - 1)
-        if attend_pages % block:
-            read_BxM = jnp.pad(read_BxM, ((0, 0), (0, block - attend_pages % block)))
+        step = PagedDecodeStep.plan(page_table_BxM, positions_B, k_pages[0].shape[1], k_pages[0].shape[2], attend_pages)
         sin, cos = self._rope(positions_B[:, None])
         graphdef, _ = nnx.split(self.layers)
         layer_states = self.layer_states() if layer_states is None else layer_states
@@ -485,11 +477,9 @@ class Decoder(nnx.Module):
         for y, (layer_state, k_pool, v_pool) in enumerate(zip(layer_states, k_pages, v_pages, strict=True)):
             layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
-            k_pool = k_pool.at[:, write_page_B, offset_B].set(k[:, 0].swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
-            v_pool = v_pool.at[:, write_page_B, offset_B].set(v[:, 0].swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
+            out, k_pool, v_pool = step.write_and_attend(q, k, v, k_pool, v_pool)
             keys.append(k_pool)
             values.append(v_pool)
-            out = paged_decode_attention(q, k_pool, v_pool, read_BxM, positions_B)
             x_Bx1xD, router = layer.finish_routed(x_Bx1xD, out, layer=y)
             routers.append(router)
         logits_BxV = jnp.einsum(

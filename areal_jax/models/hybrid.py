@@ -16,7 +16,9 @@ linear layers (weight, initialised at one). Full attention: q/k RMSNorm, RoPE on
 `partial_rotary_factor` of each head, and the output gated by sigmoid of a second query-sized projection.
 
 Serving (`prefill`, `decode_step`: `hybrid_serving.py`) keeps a `HybridCache` per slot: a recurrent state and
-convolution window per linear layer beside the full layers' dense KV cache. There is no paged path.
+convolution window per linear layer beside the full layers' dense KV cache. With a paged KV cache
+(`prefill_recurrent_entries`, `decode_step_paged_recurrent`) the full layers' keys and values go to the page pool
+as a `Decoder`'s do, the states and windows stay per slot.
 
 Legend: B rows, T length, D model width, F MLP width, N query heads, K key/value heads, G = N / K,
 H head dim (full attention), A linear key heads, L linear value heads, E linear key head dim, V linear
@@ -50,9 +52,10 @@ from areal_jax.models.layers import RMSNorm, SwiGLU, _const, _param
 from areal_jax.models.moe import MoEBlock, RouterOutput
 from areal_jax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
-_NOT_PAGED = (
-    "a qwen3_5 model is served from a dense cache only (`HybridCache`: a recurrent state per slot, which pages of "
-    "keys and values cannot hold); use rollout.engine.kv_cache: dense"
+_RECURRENT = (
+    "a qwen3_5 model's serving state is more than keys and values (a recurrent state and convolution window per "
+    "slot and linear layer): prefill with prefill / prefill_recurrent_entries, decode with decode_step / "
+    "decode_step_paged_recurrent"
 )
 
 
@@ -346,7 +349,7 @@ class HybridDecoder(Decoder):
         """`_run_rows` and, for `qwen3_5_moe`, every layer's router (`RouterOutput`, fields [Y, B, T, ...] in layer
         order; None when dense); with `replay_BxTxYmxK` each layer routes each token to those experts."""
         if keep_kv:
-            raise NotImplementedError(_NOT_PAGED)
+            raise NotImplementedError(_RECURRENT)
         cfg, hy = self.config, self.config.hybrid
         assert hy is not None
         period = hy.period()
@@ -409,7 +412,7 @@ class HybridDecoder(Decoder):
         return hybrid_serving.prefill_routed(self, tokens_BxT, lengths_B, first_segment)
 
     def prefill_entries(self, tokens_BxT: jax.Array, lengths_B: jax.Array) -> NoReturn:
-        raise NotImplementedError(_NOT_PAGED)
+        raise NotImplementedError(_RECURRENT)
 
     def layer_states(self) -> tuple[nnx.State, ...]:
         """Each layer's weights as its own arrays, in `layer_types` order, for `decode_step`."""
@@ -438,7 +441,34 @@ class HybridDecoder(Decoder):
         return hybrid_serving.decode_step_routed(self, tokens_B, positions_B, cache, attend_length, layer_states)
 
     def decode_step_paged(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(_NOT_PAGED)
+        raise NotImplementedError(_RECURRENT)
+
+    def decode_step_paged_routed(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(_RECURRENT)
+
+    def prefill_recurrent_entries(
+        self, tokens_BxT: jax.Array, lengths_B: jax.Array
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None, HybridCache, jax.Array | None]:
+        """A paged engine's prefill: logits [B, V], the full layers' keys and values [Y, B, T, K, H] (None without
+        full layers), the recurrent part (a `HybridCache` with kv None) and the experts (`prefill_routed`'s)."""
+        return hybrid_serving.prefill_entries(self, tokens_BxT, lengths_B)
+
+    def decode_step_paged_recurrent(
+        self,
+        tokens_B: jax.Array,
+        positions_B: jax.Array,
+        k_pages: Sequence[jax.Array],
+        v_pages: Sequence[jax.Array],
+        page_table_BxM: jax.Array,
+        attend_pages: int,
+        recurrent: HybridCache,
+        layer_states: Sequence[nnx.State] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], HybridCache, jax.Array | None]:
+        """One token per slot over the full layers' page pools and each slot's states and windows: logits, the
+        pools, the recurrent part and the experts (`hybrid_serving.decode_step_paged`)."""
+        return hybrid_serving.decode_step_paged(
+            self, tokens_B, positions_B, k_pages, v_pages, page_table_BxM, attend_pages, recurrent, layer_states
+        )
 
 
 def new_decoder(cfg: ModelConfig, rngs: nnx.Rngs) -> Decoder:

@@ -6,14 +6,19 @@ full-attention stack's). `prefill` builds both from right-padded prompts (the de
 `decode_step` moves them on one token per slot. `HybridDecoder.prefill` / `decode_step` are these, so the
 engine's dense path serves a hybrid model like any other (`inference/slot_cache.py`: what an insert, an abort
 and a re-prefill after new weights do to each part); a `qwen3_5_moe` one through `prefill_routed` /
-`decode_step_routed`, which also return each fed token's experts of every layer.
+`decode_step_routed`, which also return each fed token's experts of every layer. The paged path
+(`inference/paged_hybrid.py`) prefills through `prefill_entries` (the full layers' keys and values as they come,
+for the page pool) and decodes through `decode_step_paged`: the full layers read and write pages as the
+`Decoder`'s do (`paged_decode.PagedDecodeStep`), the states and windows stay per slot. Both decode steps are one
+loop over the layers (`_decode_layers`) with the full layers' cache access passed in.
 
 Legend as in `hybrid.py`; S cache length, Y layers of one kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import flax.struct
@@ -25,6 +30,7 @@ from areal_jax.models.attention import get_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KVCache, mask_padded_vocab
 from areal_jax.models.moe import RouterOutput, routing_dtype
+from areal_jax.models.paged_decode import PagedDecodeStep
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
 
@@ -64,11 +70,18 @@ class HybridCache:
         if full:
             every = KVCache.zeros(cfg, batch, length, first_segment)  # one per layer; the full layers' kept
             kv = KVCache(k=every.k[:full], v=every.v[:full])
+        return dataclasses.replace(cls.recurrent_zeros(cfg, batch), kv=kv)
+
+    @classmethod
+    def recurrent_zeros(cls, cfg: ModelConfig, batch: int) -> HybridCache:
+        """The recurrent part alone (kv None) of an empty cache of `batch` rows: zero states and windows."""
+        hy = cfg.hybrid
+        assert hy is not None  # a qwen3_5 config
         lv, e, v = hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim
         window = (batch, hy.conv_kernel - 1, hy.linear_num_key_heads * hy.group_width)
         linear = hy.count("linear_attention")
         return cls(
-            kv=kv,
+            kv=None,
             state=tuple(jnp.zeros((batch, lv, e, v), jnp.float32) for _ in range(linear)),
             window=tuple(jnp.zeros(window, cfg.compute_jnp_dtype) for _ in range(linear)),
         )
@@ -157,6 +170,16 @@ def prefill_routed(
     model: HybridModel, tokens_BxT: jax.Array, lengths_B: jax.Array, first_segment: int | None = None
 ) -> tuple[jax.Array, HybridCache, jax.Array | None]:
     """`prefill` and each position's experts [B, T, Y, K] (`routing_dtype`; None when dense)."""
+    logits_BxV, k, v, recurrent, experts = prefill_entries(model, tokens_BxT, lengths_B)
+    kv = None if k is None or v is None else KVCache.from_entries(k, v, first_segment)
+    return logits_BxV, dataclasses.replace(recurrent, kv=kv), experts
+
+
+def prefill_entries(
+    model: HybridModel, tokens_BxT: jax.Array, lengths_B: jax.Array
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, HybridCache, jax.Array | None]:
+    """`prefill_routed` with the full layers' keys and values as they come, [Y, B, T, K, H] each (None without
+    full layers: what a paged cache is filled from), beside a `HybridCache` of the recurrent part alone (kv None)."""
     cfg = model.config
     assert cfg.hybrid is not None
     b, t = tokens_BxT.shape
@@ -186,9 +209,55 @@ def prefill_routed(
         x_BxTxD = x_BxTxD + out_BxTxD
         routers.append(router)
     last_BxD = jnp.take_along_axis(x_BxTxD, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    kv = KVCache.from_entries(jnp.stack(keys), jnp.stack(values), first_segment) if keys else None
-    cache = HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
-    return _logits(model, last_BxD), cache, _experts(cfg, routers)
+    k_YxBxTxKxH, v_YxBxTxKxH = (jnp.stack(keys), jnp.stack(values)) if keys else (None, None)
+    recurrent = HybridCache(kv=None, state=tuple(states), window=tuple(windows))
+    return _logits(model, last_BxD), k_YxBxTxKxH, v_YxBxTxKxH, recurrent, _experts(cfg, routers)
+
+
+# A full-attention layer's decode: (its index among the full layers, q [B, 1, N, H], k and v [B, 1, K, H]) -> the
+# attention output [B, 1, N, H], the layer's cache written by the callee (dense segments or pages).
+FullAttention = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _decode_layers(
+    model: HybridModel,
+    tokens_B: jax.Array,
+    positions_B: jax.Array,
+    recurrent: HybridCache,
+    layer_states: Sequence[nnx.State] | None,
+    full_attention: FullAttention,
+) -> tuple[jax.Array, HybridCache, jax.Array | None]:
+    """One token per slot through every layer: the linear ones move the slot's state and window on, the full ones
+    go through `full_attention`. Returns fp32 logits [B, V], the recurrent part (kv None) and each fed token's
+    experts [B, Y, K] (None when dense)."""
+    cfg = model.config
+    assert cfg.hybrid is not None
+    sin, cos = _rope(model, positions_B[:, None])
+    x_Bx1xD = model._embed(tokens_B[:, None])
+    states: list[jax.Array] = []
+    windows: list[jax.Array] = []
+    full = 0
+    routers: list[RouterOutput | None] = []
+    for kind, layer in zip(cfg.hybrid.layer_types, _layers(model, layer_states), strict=True):
+        if kind == "linear_attention":
+            y = len(states)
+            mixed, state, window = layer.mixer.decode(
+                layer.input_norm(x_Bx1xD), recurrent.state[y], recurrent.window[y]
+            )
+            states.append(state)
+            windows.append(window)
+            x_Bx1xD = x_Bx1xD + mixed
+        else:
+            q, gate, k, v = layer.attn.inputs(layer.input_norm(x_Bx1xD), sin, cos)
+            x_Bx1xD = x_Bx1xD + layer.attn.output(full_attention(full, q, k, v), gate)
+            full += 1
+        out_Bx1xD, router = layer.feed_forward(x_Bx1xD)
+        x_Bx1xD = x_Bx1xD + out_Bx1xD
+        routers.append(router)
+    experts_Bx1xYxK = _experts(cfg, routers)
+    experts_BxYxK = None if experts_Bx1xYxK is None else experts_Bx1xYxK[:, 0]
+    moved = HybridCache(kv=None, state=tuple(states), window=tuple(windows))
+    return _logits(model, x_Bx1xD[:, 0]), moved, experts_BxYxK
 
 
 def decode_step(
@@ -215,54 +284,57 @@ def decode_step_routed(
     layer_states: Sequence[nnx.State] | None = None,
 ) -> tuple[jax.Array, HybridCache, jax.Array | None]:
     """`decode_step` and each fed token's experts [B, Y, K] (`routing_dtype`; None when dense)."""
-    cfg = model.config
-    assert cfg.hybrid is not None
-    sin, cos = _rope(model, positions_B[:, None])
-    attend = get_attention(cfg.attention_impl, decode=True)
+    attend = get_attention(model.config.attention_impl, decode=True)
     rows_B = jnp.arange(tokens_B.shape[0])
-    spans: list[tuple[int, int]] = []
-    index_B: list[jax.Array] = []
-    if cache.kv is not None:
-        s = cache.kv.length if attend_length is None else attend_length
-        valid_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
-        # as in `Decoder.decode_step`: the segments holding [0, s), each slot's entry in the one holding its position
-        spans = [(a, min(b, s)) for a, b in zip((0, *cache.kv.ends[:-1]), cache.kv.ends, strict=True) if a < s]
-        outside = cache.kv.length
-        index_B = [jnp.where((positions_B >= a) & (positions_B < b), positions_B - a, outside) for a, b in spans]
-    x_Bx1xD = model._embed(tokens_B[:, None])
-    states: list[jax.Array] = []
-    windows: list[jax.Array] = []
     keys: list[tuple[jax.Array, ...]] = []
     values: list[tuple[jax.Array, ...]] = []
-    routers: list[RouterOutput | None] = []
-    for kind, layer in zip(cfg.hybrid.layer_types, _layers(model, layer_states), strict=True):
-        if kind == "linear_attention":
-            y = len(states)
-            mixed, state, window = layer.mixer.decode(layer.input_norm(x_Bx1xD), cache.state[y], cache.window[y])
-            states.append(state)
-            windows.append(window)
-            x_Bx1xD = x_Bx1xD + mixed
-        else:
-            assert cache.kv is not None  # a full-attention layer's prefill made it
-            y = len(keys)
-            q, gate, k, v = layer.attn.inputs(layer.input_norm(x_Bx1xD), sin, cos)
-            k_segments, v_segments = list(cache.kv.k[y]), list(cache.kv.v[y])
-            read_k, read_v = [], []
-            for j, ((a, b), index) in enumerate(zip(spans, index_B, strict=True)):
-                k_segments[j] = (
-                    k_segments[j].at[rows_B, :, :, index].set(k[:, 0].astype(k_segments[j].dtype), mode="drop")
-                )
-                v_segments[j] = v_segments[j].at[rows_B, :, index].set(v[:, 0].astype(v_segments[j].dtype), mode="drop")
-                read_k.append(k_segments[j][..., : b - a])
-                read_v.append(v_segments[j][:, :, : b - a])
-            keys.append(tuple(k_segments))
-            values.append(tuple(v_segments))
-            x_Bx1xD = x_Bx1xD + layer.attn.output(attend(q, read_k, read_v, valid_BxS=valid_BxS), gate)
-        out_Bx1xD, router = layer.feed_forward(x_Bx1xD)
-        x_Bx1xD = x_Bx1xD + out_Bx1xD
-        routers.append(router)
+    kv = cache.kv
+    if kv is not None:
+        s = kv.length if attend_length is None else attend_length
+        valid_BxS = jnp.arange(s)[None, :] <= positions_B[:, None]
+        # as in `Decoder.decode_step`: the segments holding [0, s), each slot's entry in the one holding its position
+        spans = [(a, min(b, s)) for a, b in zip((0, *kv.ends[:-1]), kv.ends, strict=True) if a < s]
+        index_B = [jnp.where((positions_B >= a) & (positions_B < b), positions_B - a, kv.length) for a, b in spans]
+
+    def dense_attention(y: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        assert kv is not None  # a full-attention layer's prefill made it
+        k_segments, v_segments = list(kv.k[y]), list(kv.v[y])
+        read_k, read_v = [], []
+        for j, ((a, b), index) in enumerate(zip(spans, index_B, strict=True)):
+            k_segments[j] = k_segments[j].at[rows_B, :, :, index].set(k[:, 0].astype(k_segments[j].dtype), mode="drop")
+            v_segments[j] = v_segments[j].at[rows_B, :, index].set(v[:, 0].astype(v_segments[j].dtype), mode="drop")
+            read_k.append(k_segments[j][..., : b - a])
+            read_v.append(v_segments[j][:, :, : b - a])
+        keys.append(tuple(k_segments))
+        values.append(tuple(v_segments))
+        return attend(q, read_k, read_v, valid_BxS=valid_BxS)
+
+    logits_BxV, recurrent, experts = _decode_layers(model, tokens_B, positions_B, cache, layer_states, dense_attention)
     kv = KVCache(k=tuple(keys), v=tuple(values)) if keys else None
-    experts_Bx1xYxK = _experts(cfg, routers)
-    experts_BxYxK = None if experts_Bx1xYxK is None else experts_Bx1xYxK[:, 0]
-    cache = HybridCache(kv=kv, state=tuple(states), window=tuple(windows))
-    return _logits(model, x_Bx1xD[:, 0]), cache, experts_BxYxK
+    return logits_BxV, dataclasses.replace(recurrent, kv=kv), experts
+
+
+def decode_step_paged(
+    model: HybridModel,
+    tokens_B: jax.Array,
+    positions_B: jax.Array,
+    k_pages: Sequence[jax.Array],
+    v_pages: Sequence[jax.Array],
+    page_table_BxM: jax.Array,
+    attend_pages: int,
+    recurrent: HybridCache,
+    layer_states: Sequence[nnx.State] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], HybridCache, jax.Array | None]:
+    """`decode_step_routed` with the full layers' keys and values in pages (the `Decoder`'s paged step for each:
+    `PagedDecodeStep`; pools k/v [K, P, page, H] per full layer, the page table [B, M], `attend_pages` static and
+    covering every position) and each slot's state and window in `recurrent` (kv None). Returns fp32 logits
+    [B, V], the pools, the recurrent part moved on and each fed token's experts [B, Y, K] (None when dense)."""
+    step = PagedDecodeStep.plan(page_table_BxM, positions_B, k_pages[0].shape[1], k_pages[0].shape[2], attend_pages)
+    keys, values = list(k_pages), list(v_pages)
+
+    def paged_attention(y: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        out, keys[y], values[y] = step.write_and_attend(q, k, v, keys[y], values[y])
+        return out
+
+    logits_BxV, moved, experts = _decode_layers(model, tokens_B, positions_B, recurrent, layer_states, paged_attention)
+    return logits_BxV, tuple(keys), tuple(values), moved, experts

@@ -20,7 +20,7 @@ from areal_jax.config import ExperimentConfig
 from areal_jax.configuration import Config, ConfigError
 from areal_jax.data.datasets import MalformedRowError, PromptRecord
 from areal_jax.data.tasks import TaskStream, drop_long_prompts, load_task_records, split_heldout
-from areal_jax.inference.slot_cache import PAGED_REFUSAL
+from areal_jax.inference.slot_cache import PAGED_REFUSAL, pages_nothing
 from areal_jax.models.config import ModelConfig, MoEConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_config import model_config_from_hf
@@ -135,8 +135,8 @@ def policy_config(cfg: ExperimentConfig, tokenizer: Tokenizer) -> ModelConfig:
         config = cfg.model.replace(vocab_limit=_vocab_limit(cfg.model.vocab_size, tokenizer, "model.vocab_size"))
     else:
         config = checkpoint_config(cfg, cfg.hf_checkpoint, tokenizer)
-    if config.hybrid is not None and cfg.rollout.engine.paged:  # refused before anything loads
-        raise ConfigError("rollout.engine.kv_cache", f"value 'paged' with a qwen3_5 policy: {PAGED_REFUSAL}")
+    if pages_nothing(config) and cfg.rollout.engine.paged:  # refused before anything loads
+        raise ConfigError("rollout.engine.kv_cache", f"value 'paged' with this qwen3_5 policy: {PAGED_REFUSAL}")
     return config
 
 
