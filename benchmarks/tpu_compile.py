@@ -49,19 +49,26 @@ RECIPES = {
     "deepcoder_code_tpu": "v5p-16",
     "deepcoder_14b_code_tpu": "v5p-64",
     "qwen3_30b_a3b_deepscaler_tpu": "v5p-64",
+    "qwen3_5_35b_a3b_deepscaler_tpu": "v5p-128",
 }
 
 
 def shallow_checkpoint(config: str, layers: int, directory: Path) -> Path:
-    """A directory with the recipe's checkpoint config.json (configs/sizing's copy) at `layers` layers."""
+    """A directory with the recipe's checkpoint config.json (configs/sizing's copy) at `layers` layers: the first
+    `layers` of a hybrid's `layer_types` (keep the pattern whole: Qwen3.5's full-attention layer is every 4th), in
+    a multimodal checkpoint's `text_config` where it has one."""
     from areal_jax.config import load_experiment
     from areal_jax.planning.architecture import config_json
 
     source = config_json(load_experiment(config, []))
     assert source is not None and source.is_file(), source
     hf = json.loads(source.read_text())
-    hf["num_hidden_layers"] = layers
-    hf["max_window_layers"] = min(hf.get("max_window_layers", layers), layers)
+    text = hf.get("text_config", hf)
+    text["num_hidden_layers"] = layers
+    if "max_window_layers" in text:
+        text["max_window_layers"] = min(text["max_window_layers"], layers)
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][:layers]
     (directory / "config.json").write_text(json.dumps(hf))
     return directory
 
@@ -141,7 +148,8 @@ def main() -> None:
             print(f"{side.side}_{line}_agreement: {agreement.ratio:.2f} ratio")
             worst = min(worst, agreement.ratio)
     if args.recipe:
-        units = {"roofline": "s", "per_s": "tokens/s", "mfu": "ratio", "bytes": "GB"}
+        # "bytes" first: "collective_bytes_per_step" also holds "per_s"
+        units = {"bytes": "GB", "roofline": "s", "per_s": "tokens/s", "mfu": "ratio"}
         for key, value in step.items():
             unit = next(u for part, u in units.items() if part in key)
             print(f"{key}: {value / 1e9 if unit == 'GB' else value:.4g} {unit}")

@@ -23,6 +23,7 @@ TPU = {
     "deepcoder_code_tpu": "v5p-16",
     "deepcoder_14b_code_tpu": "v5p-64",
     "qwen3_30b_a3b_deepscaler_tpu": "v5p-64",
+    "qwen3_5_35b_a3b_deepscaler_tpu": "v5p-128",
 }
 # (layers, width, KV heads, params in billions) of each checkpoint: its config.json, read back
 SHAPES = {
@@ -31,6 +32,9 @@ SHAPES = {
     "DeepSeek-R1-Distill-Qwen-7B": (28, 3584, 4, 7.62),
     "DeepCoder-14B-Preview": (48, 5120, 8, 14.77),
     "Qwen3-30B-A3B": (48, 2048, 4, 30.53),
+    # the text model only: the published 35B also counts the vision tower and the multi-token-prediction layer,
+    # which the loader skips (models/hybrid_io.py)
+    "Qwen3.5-35B-A3B": (40, 2048, 2, 34.66),
 }
 
 

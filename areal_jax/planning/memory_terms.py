@@ -112,11 +112,14 @@ def _trainer_transients(
     layer = _layer_activations(model, tokens, packing.row_length, rows, c, platform, expert_group) // _shards(
         mesh_shape, "tensor"
     )
-    saved = tokens * model.hidden_size * c  # a layer's input, kept for the backward pass
+    # the recomputed unit, whose input is kept for the backward pass: a layer, or a hybrid's scan step (one period
+    # of its layer pattern, `models/hybrid.py`: the backward holds all of the period's layers' intermediates)
+    unit = 1 if model.hybrid is None else model.hybrid.period()
+    saved = tokens * model.hidden_size * c
     if model.remat == "full":
-        activations = model.num_layers * saved + layer
+        activations = model.num_layers // unit * saved + unit * layer
     elif model.remat == "dots":
-        activations = model.num_layers * (saved + layer // 3) + layer
+        activations = model.num_layers // unit * saved + model.num_layers * layer // 3 + unit * layer
     else:
         activations = model.num_layers * layer
     # a chunk is `logprob_chunk` / packing.rows positions of every row (`chunked_logprobs`): this device's rows'
