@@ -371,6 +371,17 @@ class HybridDecoder(Decoder):
             replay_YxBxTxK = jnp.moveaxis(replay_BxTxYmxK, 2, 0).astype(jnp.int32)
             replay_RxPxBxTxK = replay_YxBxTxK.reshape(repeats, period, *replay_YxBxTxK.shape[1:])
 
+        def run_layer(
+            kind: str, x_BxTxD: jax.Array, state: nnx.State, replay_BxTxK: jax.Array | None
+        ) -> tuple[jax.Array, RouterOutput | None]:
+            return nnx.merge(graphdefs[kind], state)(x_BxTxD, *mixer_args[kind], replay_BxTxK=replay_BxTxK)
+
+        if cfg.remat != "none":
+            # each layer is its own remat unit, as in the `Decoder`: a scan step keeps its layers' inputs and its
+            # backward pass holds one layer's intermediates at a time (remat of the whole step held all of the
+            # period's at once: 4x a layer's activations, the experts' dispatch rows of each sparse layer among them)
+            run_layer = jax.checkpoint(run_layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=(0,))
+
         def step(
             x_BxTxD: jax.Array, xs: tuple[dict[str, nnx.State], jax.Array | None]
         ) -> tuple[jax.Array, RouterOutput | None]:
@@ -380,16 +391,13 @@ class HybridDecoder(Decoder):
             for j, kind in enumerate(kinds):
                 state = jax.tree.map(lambda w, i=seen[kind]: w[i], period_states[kind])
                 seen[kind] += 1
-                layer = nnx.merge(graphdefs[kind], state)
                 replay = None if replay_PxBxTxK is None else replay_PxBxTxK[j]
-                x_BxTxD, router = layer(x_BxTxD, *mixer_args[kind], replay_BxTxK=replay)
+                x_BxTxD, router = run_layer(kind, x_BxTxD, state, replay)
                 routers.append(router)
             if cfg.moe is None:
                 return x_BxTxD, None
             return x_BxTxD, RouterOutput(*(jnp.stack(field) for field in zip(*routers, strict=True)))
 
-        if cfg.remat != "none":
-            step = jax.checkpoint(step, policy=_REMAT_POLICIES[cfg.remat])
         x_BxTxD, routers = jax.lax.scan(
             step, self._embed(tokens_BxT), (stacks, replay_RxPxBxTxK), unroll=not cfg.scans_layers()
         )

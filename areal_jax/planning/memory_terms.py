@@ -112,14 +112,13 @@ def _trainer_transients(
     layer = _layer_activations(model, tokens, packing.row_length, rows, c, platform, expert_group) // _shards(
         mesh_shape, "tensor"
     )
-    # the recomputed unit, whose input is kept for the backward pass: a layer, or a hybrid's scan step (one period
-    # of its layer pattern, `models/hybrid.py`: the backward holds all of the period's layers' intermediates)
-    unit = 1 if model.hybrid is None else model.hybrid.period()
+    # a layer's input, kept for the backward pass: each layer is its own remat unit (a hybrid's too, inside its
+    # period's scan step, `models/hybrid.py`), so the backward holds one layer's intermediates at a time
     saved = tokens * model.hidden_size * c
     if model.remat == "full":
-        activations = model.num_layers // unit * saved + unit * layer
+        activations = model.num_layers * saved + layer
     elif model.remat == "dots":
-        activations = model.num_layers // unit * saved + model.num_layers * layer // 3 + unit * layer
+        activations = model.num_layers * (saved + layer // 3) + layer
     else:
         activations = model.num_layers * layer
     # a chunk is `logprob_chunk` / packing.rows positions of every row (`chunked_logprobs`): this device's rows'
