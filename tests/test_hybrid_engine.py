@@ -4,8 +4,8 @@ same tokens under the weights version that sampled it, across an abort (a slot r
 weights mid-generation: the samples re-prefilled), and for a model without full attention (no KV cache at all):
 to fp32 rounding, whose heavy tail is bounded as measured; in float64 a linear layer's decode continues its
 prefill exactly. After warm-up nothing compiles; a sharded engine samples what one device does; an insert
-replaces a slot's whole row; the memory plan counts the decode cache's bytes. The paged cache for the same
-models: `test_hybrid_paged.py`."""
+replaces a slot's whole row; the memory plan counts the decode cache's bytes. The abort-and-interruption flow runs
+on the dense and the paged cache; the paged cache's other tests: `test_hybrid_paged.py`."""
 
 import jax
 import jax.numpy as jnp
@@ -46,15 +46,18 @@ def _assert_rounding_close(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(gap.max())
 
 
-@pytest.fixture(scope="module")
-def versions(tmp_path_factory):
-    """Two weight versions of one tiny Qwen3.5 ([linear, full] x 2, chunks of 8)."""
-    directory = tmp_path_factory.mktemp("qwen3_5")
+def two_versions(directory) -> list:
+    """Two weight versions of one tiny Qwen3.5 ([linear, full] x 2, chunks of 8), saved under `directory` and loaded."""
     models = []
     for seed in (0, 1):
         _text_model("periodic-tied", directory / f"v{seed}", seed=seed, scale=0.2)
         models.append(_load(directory / f"v{seed}")[1])
     return models
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    return two_versions(tmp_path_factory.mktemp("qwen3_5"))
 
 
 def _packed_logprobs(model, sequences: list[list[int]], width: int) -> list[np.ndarray]:
@@ -79,9 +82,16 @@ def _packed_logprobs(model, sequences: list[list[int]], width: int) -> list[np.n
     return out
 
 
-def test_engine_logprobs_equal_the_trainers_across_an_abort_and_an_interruption(versions):
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_engine_logprobs_equal_the_trainers_across_an_abort_and_an_interruption(versions, kv_cache):
+    """A prompt's two samples share a prefill, one request aborted (its slot, and on the paged cache its pages,
+    reused), new weights mid-generation (every sample re-prefilled): each token's behaviour log-prob is the trainer's
+    packed-row log-prob under the version that sampled it; on the paged cache every page is back at the end."""
     old, new = versions
-    engine = Engine(old, EngineConfig(max_slots=3, max_length=64, min_prefill_bucket=32, max_prefill_batch=1))
+    config = EngineConfig(
+        max_slots=3, max_length=64, min_prefill_bucket=32, max_prefill_batch=1, kv_cache=kv_cache, page_size=8
+    )
+    engine = Engine(old, config)
     params = engine.load_params(nnx.state(old), 0)
     engine.load_params(nnx.state(new), 1)  # the copy program compiled before the count below
     with CompileCounter() as warmup:
@@ -106,6 +116,8 @@ def test_engine_logprobs_equal_the_trainers_across_an_abort_and_an_interruption(
         results = [*future_a.result(timeout=120), future_c.result(timeout=120)[0]]
     assert compiles.count == 0
     assert gen.stats.prefills == 3 + 3  # a (one for its two samples), b, c; then a's two samples and c re-prefilled
+    if kv_cache == "paged":
+        assert gen._pages is not None and gen._pages.allocator.num_free == config.pool_pages
     assert result_b.finish_reason == "abort" and set(result_b.output_versions) == {0}
     assert all(r.num_interruptions == 1 and r.finish_reason == "length" for r in results)
     assert all(set(r.output_versions) == {0, 1} for r in results)
@@ -119,7 +131,7 @@ def test_engine_logprobs_equal_the_trainers_across_an_abort_and_an_interruption(
             behaviour.append(np.array(result.output_logprobs)[chosen])
             trainer.append(logp[len(result.prompt_ids) - 1 :][chosen])
     largest = _assert_rounding_close(np.concatenate(behaviour), np.concatenate(trainer))
-    print(f"largest engine-trainer log-prob gap: {largest:.2e}")
+    print(f"largest {kv_cache} engine-trainer log-prob gap: {largest:.2e}")
 
 
 def test_decoding_continues_a_prefill_exactly_in_float64(versions):

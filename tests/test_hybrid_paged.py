@@ -2,9 +2,10 @@
 pages, each linear layer's recurrent state and convolution window per slot. On the tiny HF checkpoints of
 `test_hybrid_engine.py`: the paged engine samples the dense hybrid engine's tokens with its log-probs (mixed
 prompt lengths, several samples per prompt, more requests than slots, a pool small enough to make samples wait
-and be preempted), its log-probs equal the trainer's across an abort and an interruption, a sharded paged engine
-samples what one device does, nothing compiles after warm-up, a mixture still records its routing; the memory
-plan counts the pool for the full layers only beside the states; a model with nothing to page is refused."""
+and be preempted), a sharded paged engine samples what one device does, nothing compiles after warm-up, a mixture
+still records its routing; the memory plan counts the pool for the full layers only beside the states; a model
+with nothing to page is refused. Its log-probs against the trainer's across an abort and an interruption:
+`test_hybrid_engine.py` (the same flow on both caches)."""
 
 import jax
 import numpy as np
@@ -19,9 +20,7 @@ from areal_jax.inference.sampling import SamplingParams
 from areal_jax.inference.slot_cache import PAGED_REFUSAL
 from areal_jax.models.hybrid import HybridDecoder
 from tests.conftest import CompileCounter
-from tests.engine_fixtures import all_at_once
-from tests.test_generator import _wait_until
-from tests.test_hybrid_engine import TEMPERATURE, _assert_rounding_close, _packed_logprobs
+from tests.test_hybrid_engine import TEMPERATURE, _assert_rounding_close, _packed_logprobs, two_versions
 from tests.test_hybrid_moe import TINY_MOE
 from tests.test_hybrid_parity import _load, _text_model
 
@@ -30,13 +29,7 @@ VOCAB = 97  # test_hybrid_parity.TEXT's
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    """Two weight versions of one tiny Qwen3.5 ([linear, full] x 2, chunks of 8), as test_hybrid_engine.py's."""
-    directory = tmp_path_factory.mktemp("qwen3_5_paged")
-    models = []
-    for seed in (0, 1):
-        _text_model("periodic-tied", directory / f"v{seed}", seed=seed, scale=0.2)
-        models.append(_load(directory / f"v{seed}")[1])
-    return models
+    return two_versions(tmp_path_factory.mktemp("qwen3_5_paged"))
 
 
 def _configs(**common) -> tuple[EngineConfig, EngineConfig]:
@@ -106,48 +99,6 @@ def test_paged_equals_dense_with_mixed_lengths_samples_and_preemption(versions):
     behaviour = np.concatenate([r.output_logprobs for r in sampled])
     trainer = np.concatenate([logp[len(r.prompt_ids) - 1 :] for r, logp in zip(sampled, scored, strict=True)])
     _assert_rounding_close(behaviour, trainer)
-
-
-def test_paged_engine_logprobs_equal_the_trainers_across_an_abort_and_an_interruption(versions):
-    """test_hybrid_engine.py's flow on a paged engine: a prompt's two samples share a prefill, one request aborted
-    (its slot and pages reused), new weights mid-generation (every sample re-prefilled): each token's behaviour
-    log-prob is the trainer's packed-row log-prob under the version that sampled it."""
-    old, new = versions
-    config = EngineConfig(
-        max_slots=3, max_length=64, min_prefill_bucket=32, max_prefill_batch=1, kv_cache="paged", page_size=8
-    )
-    engine = Engine(old, config)
-    params = engine.load_params(nnx.state(old), 0)
-    sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=48, seed=7)
-    rng = np.random.default_rng(3)
-    prompt_a, prompt_b, prompt_c = (rng.integers(1, VOCAB, size=n).tolist() for n in (5, 19, 11))
-    with Generator(engine, params) as gen:
-        future_a = gen.submit(prompt_a, sampling, n=2)
-        future_b = gen.submit(prompt_b, sampling, request_id="b")
-        _wait_until(lambda: gen.stats.emitted_tokens >= 6)
-        gen.abort("b")
-        (result_b,) = future_b.result(timeout=60)
-        emitted = gen.stats.emitted_tokens
-        future_c = gen.submit(prompt_c, sampling)  # into b's slot and pages
-        _wait_until(lambda: gen.stats.emitted_tokens >= emitted + 9)
-        with all_at_once(gen):
-            applied = gen.update_params(nnx.state(new), 1, interrupt=True)
-        assert applied.result(timeout=60) == 1
-        results = [*future_a.result(timeout=120), future_c.result(timeout=120)[0]]
-    assert gen._pages is not None and gen._pages.allocator.num_free == config.pool_pages
-    assert result_b.finish_reason == "abort" and set(result_b.output_versions) == {0}
-    assert all(r.num_interruptions == 1 and set(r.output_versions) == {0, 1} for r in results)
-    assert results[0].output_ids != results[1].output_ids  # the two samples of a share a prefill, not a stream
-    everything = [result_b, *results]
-    behaviour, trainer = [], []
-    for version, model in ((0, old), (1, new)):
-        scored = _packed_logprobs(model, [list(r.prompt_ids) + list(r.output_ids) for r in everything], width=256)
-        for result, logp in zip(everything, scored, strict=True):
-            chosen = np.array(result.output_versions) == version
-            behaviour.append(np.array(result.output_logprobs)[chosen])
-            trainer.append(logp[len(result.prompt_ids) - 1 :][chosen])
-    largest = _assert_rounding_close(np.concatenate(behaviour), np.concatenate(trainer))
-    print(f"largest paged engine-trainer log-prob gap: {largest:.2e}")
 
 
 def test_after_warmup_a_paged_hybrid_generator_never_compiles(versions):
