@@ -3,6 +3,10 @@ the same shards, order, resume position and set-aside as on a local disk."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import uuid
 
 import pytest
@@ -11,7 +15,13 @@ from areal_jax import storage
 from areal_jax.data.pipeline import PipelineConfig, build_pipeline, set_aside_unread
 from areal_jax.data.rollout_log import RolloutLogWriter
 from areal_jax.data.rollout_log_index import WRITERS_DIR
-from areal_jax.data.rollout_log_reader import ShardFetcher, logged_groups, read_positions, read_shard
+from areal_jax.data.rollout_log_reader import (
+    SCRATCH_PREFIX,
+    ShardFetcher,
+    logged_groups,
+    read_positions,
+    read_shard,
+)
 from areal_jax.data.rollout_log_shards import list_shards
 from tests.gcs_emulator import BUCKET, GcsEmulator
 from tests.rollout_log_worker import append_in_shards, make_trajectory
@@ -74,13 +84,24 @@ def test_pipeline_tails_a_gcs_log_and_a_resume_sets_the_unread_shards_aside(gcs:
     assert next(restored, None) is None
 
 
-def test_a_reader_fetches_the_next_shards_from_the_bucket_in_the_background(gcs: GcsEmulator) -> None:
+def test_a_reader_fetches_the_next_shards_from_the_bucket_in_the_background(
+    gcs: GcsEmulator, tmp_path, monkeypatch
+) -> None:
     log = _directory()
     with RolloutLogWriter(log, "w0") as writer:
         append_in_shards(writer, (make_trajectory(group, 0) for group in range(5)), 1)
     shards = list_shards(log)
+    # download directories left by a reader that was killed (its process gone) and by one still running
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{SCRATCH_PREFIX}{int(gone.stdout)}-abc"
+    running = tmp_path / f"{SCRATCH_PREFIX}{os.getppid()}-def"
+    for scratch_dir in (orphan, running):
+        scratch_dir.mkdir()
+        (scratch_dir / "shard.array_record").write_bytes(b"x")
     fetcher = ShardFetcher(log, ahead=3)
     fetcher.prefetch(shards)
+    assert not orphan.exists() and running.is_dir()  # swept when the fetcher made its own
     fetcher.prefetch(shards)  # already fetching: nothing more
     assert sorted(fetcher._fetches) == [s.name for s in shards[:3]]
     downloads = {name: fetch.result() for name, fetch in fetcher._fetches.items()}

@@ -29,6 +29,29 @@ logger = logging.getLogger(__name__)
 
 _READ_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
 _REMOTE_READERS = 16  # shards fetched at once from gs://
+SCRATCH_PREFIX = "areal-jax-log-"  # then the owner's pid and "-": `ShardFetcher`'s download directories
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def sweep_orphaned_scratch(root: Path | None = None) -> list[Path]:
+    """Remove the download directories of readers whose process is gone (a killed process never reaches
+    `ShardFetcher.close`) under `root` (the temporary directory); the removed paths."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +228,8 @@ class ShardFetcher:
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._scratch = Path(tempfile.mkdtemp(prefix="areal-jax-log-"))
+            sweep_orphaned_scratch()
+            self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
             self._pool = concurrent.futures.ThreadPoolExecutor(self.ahead, thread_name_prefix="areal-log-fetch")
         return self._pool
 
