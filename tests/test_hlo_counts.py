@@ -121,3 +121,29 @@ def test_trip_counts_multiply_along_the_nesting_of_a_tpu_like_module():
     summary = hlo.summarize(found)
     assert summary["collective-permute"] == {"instructions": 1, "runs": 24, "bytes": 24 * 1024}
     assert summary["all-reduce"] == {"instructions": 1, "runs": 21, "bytes": 21 * 32}
+
+
+RAGGED = """HloModule ragged
+
+ENTRY %main (x: bf16[4096,2048], o: bf16[4096,2048], a: s32[16], b: s32[16]) -> (bf16[4096,2048], bf16[4096,2048]) {
+  %x = bf16[4096,2048]{1,0} parameter(0)
+  %o = bf16[4096,2048]{1,0} parameter(1)
+  %a = s32[16]{0} parameter(2)
+  %b = s32[16]{0} parameter(3)
+  %r = bf16[4096,2048]{1,0:T(8,128)(2,1)} ragged-all-to-all(%x, %o, %a, %b, %a, /*index=5*/%b), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}}
+  %s = bf16[4096,2048]{1,0:T(8,128)(2,1)} ragged-all-to-all(%x, %o, %a, %b, %a, /*index=5*/%b), channel_id=2, replica_groups=[4,4]<=[16]
+  ROOT %t = (bf16[4096,2048]{1,0}, bf16[4096,2048]{1,0}) tuple(%r, %s)
+}
+"""
+
+
+def test_a_ragged_all_to_all_counts_its_buffer_over_its_group():
+    """A ragged all-to-all's result is a worst-case buffer: what it moves under balanced routing is the buffer
+    over its group (16 and, in iota notation, 4 chips); other collectives keep their whole result."""
+    found = hlo.collectives(RAGGED)
+    buffer = 4096 * 2048 * 2
+    assert sorted((c.kind, c.bytes) for c in found) == [
+        ("ragged-all-to-all", buffer // 16),
+        ("ragged-all-to-all", buffer // 4),
+    ]
+    assert hlo.summarize(found)["ragged-all-to-all"] == {"instructions": 2, "runs": 2, "bytes": buffer * 5 // 16}

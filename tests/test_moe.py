@@ -111,6 +111,8 @@ def test_grouped_matmul_follows_the_platform_unless_set():
 
 
 def test_load_balancing_loss_equals_transformers():
+    """One router's loss over masked tokens, and the trainer's form: [layers, rows, positions] reduced in place
+    (no reshape that merges the sharded rows axis) equal to HF's concatenation of every layer's logits."""
     import torch
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -120,6 +122,15 @@ def test_load_balancing_loss_equals_transformers():
     got = load_balancing_loss(logits, experts, jnp.asarray(mask))
     torch_logits = torch.tensor(np.asarray(logits))
     want = load_balancing_loss_func((torch_logits,), E, K, attention_mask=torch.tensor(mask)[None])
+    np.testing.assert_allclose(got, want.item(), rtol=1e-5)
+
+    layers, rows = 3, 2
+    logits_YxBxLxE = jax.random.normal(jax.random.key(2), (layers, rows, M // rows, E))
+    _, experts_YxBxLxK = route(logits_YxBxLxE, K, norm_topk_prob=False)
+    mask_BxL = mask.reshape(rows, M // rows)
+    got = load_balancing_loss(logits_YxBxLxE, experts_YxBxLxK, jnp.broadcast_to(mask_BxL, (layers, rows, M // rows)))
+    per_layer = tuple(torch.tensor(np.asarray(layer).reshape(M, E)) for layer in logits_YxBxLxE)
+    want = load_balancing_loss_func(per_layer, E, K, attention_mask=torch.tensor(mask_BxL))
     np.testing.assert_allclose(got, want.item(), rtol=1e-5)
 
 

@@ -6,7 +6,11 @@ all-to-all dispatch's rounds: runs per call, not per micro-batch).
 
 Legend: a collective's bytes are its result's (per chip): an all-gather's gathered array, an all-reduce's
 reduced one, a reduce-scatter's shard. XLA:TPU writes a reduce-scatter as an `all-reduce-scatter` fusion (an
-all-reduce whose result each partition slices at once): counted as a reduce-scatter of the slices.
+all-reduce whose result each partition slices at once): counted as a reduce-scatter of the slices. A ragged
+all-to-all moves what the routing sends, unknown to the compiler, into a buffer sized for the worst case (every
+peer's rows to one chip): counted at its result over its group's size, what it moves under balanced routing
+(`models/moe.py`'s rounds: one peer's share a call; a one-shot exchange: each of N peers' 1/N of a buffer N
+times one chip's rows).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import math
 import re
 from collections import defaultdict
 
-# a ragged all-to-all's bytes are its output buffer's, a bound: what it moves depends on the routing
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4}
 _BYTES |= {"s64": 8, "u64": 8, "f64": 8, "c64": 8}
@@ -32,6 +35,9 @@ _REDUCE_SCATTER_FUSION = "all-reduce-scatter"
 _CONSTANT = re.compile(r"^\s*%([\w.\-]+) = [su](?:8|16|32|64)\[\]\S*\s+constant\((\d+)\)")
 _COMPARE = re.compile(r"\(%([\w.\-]+), %([\w.\-]+)\).*?direction=(LT|LE|GT|GE)")
 _KNOWN_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# a collective's first replica group: listed (`{{0,1,2,3},{4,...}}`) or iota (`[2,4]<=[8]`: groups of 4)
+_LISTED_GROUP = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +47,21 @@ class Collective:
     kind: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     runs: int
+    share: int = 1  # a ragged all-to-all's group size: its result over this is what it moves (module legend)
 
     @property
     def bytes(self) -> int:
         """Per chip, per run."""
-        return sum(_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in self.shapes)
+        return sum(_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in self.shapes) // self.share
+
+
+def _group_size(line: str) -> int:
+    """The size of a collective instruction's first replica group, 1 when it names none."""
+    listed = _LISTED_GROUP.search(line)
+    if listed:
+        return max(1, len([d for d in listed.group(1).split(",") if d]))
+    iota = _IOTA_GROUPS.search(line)
+    return int(iota.group(1)) if iota else 1
 
 
 def _collective(line: str) -> tuple[str, tuple[tuple[str, tuple[int, ...]], ...]] | None:
@@ -129,7 +145,8 @@ def collectives(hlo_text: str) -> list[Collective]:
                 kind, shapes = collective
                 if name.startswith(_REDUCE_SCATTER_FUSION) and kind == "all-reduce":
                     kind, shapes = "reduce-scatter", _root_shapes(lines) or shapes
-                found.append(Collective(kind, shapes, runs[name]))
+                share = _group_size(line) if kind == "ragged-all-to-all" else 1
+                found.append(Collective(kind, shapes, runs[name], share))
     return found
 
 

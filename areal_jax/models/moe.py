@@ -384,16 +384,20 @@ def one_hot_experts(
     return jnp.einsum("emd,me->md", out_ExMxD.astype(jnp.float32), combine_MxE).astype(x_MxD.dtype)
 
 
-def load_balancing_loss(logits_MxE: jax.Array, experts_MxK: jax.Array, mask_M: jax.Array) -> jax.Array:
+def load_balancing_loss(logits_NxE: jax.Array, experts_NxK: jax.Array, mask_N: jax.Array) -> jax.Array:
     """The Switch Transformer's auxiliary loss of one router as HF computes it: E * sum_e f_e * P_e, f_e the share
     of the (token, pick) assignments going to expert e (summing to K), P_e the mean router probability of e,
-    over the tokens where `mask_M` is set."""
-    e = logits_MxE.shape[-1]
-    mask_M = mask_M.astype(jnp.float32)
-    tokens = jnp.maximum(jnp.sum(mask_M), 1.0)
-    probs_MxE = jax.nn.softmax(logits_MxE.astype(jnp.float32), axis=-1)
-    assigned_E = jnp.einsum("mke,m->e", jax.nn.one_hot(experts_MxK, e, dtype=jnp.float32), mask_M) / tokens
-    mean_prob_E = jnp.einsum("me,m->e", probs_MxE, mask_M) / tokens
+    over the tokens where `mask_N` is set. N: any leading axes (sparse layers, rows, positions), reduced in place:
+    merging a sharded rows axis into others would make the compiler gather every chip's tokens (on TPU, Qwen3-30B-
+    A3B's 48 layers of router logits of the global batch, 12 GiB a chip: docs/tpu.md)."""
+    e = logits_NxE.shape[-1]
+    mask_N = mask_N.astype(jnp.float32)
+    tokens = jnp.maximum(jnp.sum(mask_N), 1.0)
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    picked_NxE = jnp.sum(jax.nn.one_hot(experts_NxK, e, dtype=jnp.float32), axis=-2)
+    leading = tuple(range(mask_N.ndim))
+    assigned_E = jnp.sum(picked_NxE * mask_N[..., None], axis=leading) / tokens
+    mean_prob_E = jnp.sum(probs_NxE * mask_N[..., None], axis=leading) / tokens
     return e * jnp.sum(assigned_E * mean_prob_E)
 
 

@@ -38,9 +38,8 @@ def moe_terms(
     this micro-batch's share of its update's loss tokens, so the micro-batches' terms sum to the update's. The aux
     loss counts the experts each token was computed with, over every real (non-padding) token of every sparse
     layer, as HF concatenates the layers' router logits."""
-    e, k = router.logits.shape[-1], router.used.shape[-1]
     real_YmxBxL = jnp.broadcast_to(segment_ids_BxL > 0, router.used.shape[:-1])
-    aux = load_balancing_loss(router.logits.reshape(-1, e), router.used.reshape(-1, k), real_YmxBxL.reshape(-1))
+    aux = load_balancing_loss(router.logits, router.used, real_YmxBxL)
     stats = {"moe/aux_loss": aux * loss_share}
     if recorded_BxLxYmxK is not None:
         recorded_YmxBxLxK = jnp.moveaxis(recorded_BxLxYmxK.astype(jnp.int32), 2, 0)
