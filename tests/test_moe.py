@@ -389,6 +389,11 @@ def test_compile_command_compiles_a_mixture_with_replay_for_a_tpu_slice(capsys):
     assert sum(gradient["kernels"].values()) >= 4, gradient["kernels"]  # two gmm forward, their gradients
     # per sparse layer and round (4): the dispatch and the return, the dispatch again (remat), their gradients
     assert gradient["collectives"]["ragged-all-to-all"]["runs"] >= 2 * 4 * 5, gradient["collectives"]
+    # the plan's mini-batch line is the program's arguments beside the params, recorded routing included
+    plan = {line["line"].split(" (")[0]: line["bytes"] for line in report["trainer"]["plan"]}
+    beside = gradient["arguments"] - gradient["resident"]
+    assert 0 <= beside - plan["mini-batch inputs"] <= 4096 < plan["mini-batch inputs"], (plan, beside)
+    assert plan["router logits and ids"] == 2 * 2 * 48 * (2 * 8 + 128) * 4  # 2 layers, 2 of the 8 rows of 48
     decode = next(p for p in report["inference"]["programs"] if p["name"].startswith("decode"))
     assert sum(decode["kernels"].values()) >= 2, decode["kernels"]
 

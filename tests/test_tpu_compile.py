@@ -104,6 +104,14 @@ def test_compile_command_reports_and_refuses(capsys):
             f"{a['line']}: plan {a['plan']} B, compiler {a['compiler']} B" for a in lines.values() if a["ratio"] < 0.8
         ]
         assert not off, (side, off, report[side]["plan"])
+    # the mini-batch inputs line is the gradient program's arguments beside the params (its batch, the proximal
+    # log-probs, the trainer version), to within the version scalar's tile
+    gradient = next(p for p in trainer["programs"] if p["name"].startswith("gradient"))
+    inputs = [line["bytes"] for line in trainer["plan"] if line["line"].startswith("mini-batch inputs")]
+    assert len(inputs) == 1 and 0 <= gradient["arguments"] - gradient["resident"] - inputs[0] <= 4096, (
+        inputs,
+        gradient,
+    )
     # the dense cache (2 layers of 64 slots x 32 positions, 2 KV heads of 32, bf16, slots over 4 chips) in the
     # compiler's layout: head dim and positions both 32, so 4x its bytes; the plan's tiles say the same
     logical = 2 * 64 * 32 * 2 * 32 * 2 * 2 // 4

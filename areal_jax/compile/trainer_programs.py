@@ -19,31 +19,13 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.lora import split_trainable
 from areal_jax.models.moe import routing_dtype, sparse_layer_ids
-from areal_jax.trainer.batching import PackedBatch
+from areal_jax.planning.memory_terms import largest_bucket
+from areal_jax.trainer.batching import PACKED_FIELDS, PackedBatch
 from areal_jax.trainer.train_step import TrainStep, _init_fn
-
-_BATCH_DTYPES = {"loss_mask": jnp.bool_, "logp_behav": jnp.float32, "advantages": jnp.float32}
 
 
 def _sharded(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def largest_bucket(cfg: ExperimentConfig, platform: str, batch_shards: int) -> tuple[int, int, int]:
-    """(micro-batches, rows, row length) of the largest micro-batch the packer can make, and as many of them as
-    a mini-batch of the longest samples needs."""
-    packing = cfg.packing_on(platform)
-    rows, length = packing.rows, packing.row_length
-    longest = cfg.longest_sample()[0]
-    per_row = max(1, length // max(1, longest))
-    sequences = -(-cfg.rollout.staleness.batch_prompts * cfg.rollout.workflow.n_samples // cfg.trainer.ppo_minibatches)
-    micro = max(1, -(-sequences // (rows * per_row)))
-    if packing.microbatch_rounding == "pow2":
-        micro = 1 << (micro - 1).bit_length()
-    else:
-        micro = -(-micro // packing.microbatch_multiple) * packing.microbatch_multiple
-    rows = -(-rows // batch_shards) * batch_shards
-    return micro, rows, length
 
 
 def trainer_programs(cfg: ExperimentConfig, model: ModelConfig, mesh: Mesh) -> list[ProgramSpec]:
@@ -63,10 +45,7 @@ def trainer_programs(cfg: ExperimentConfig, model: ModelConfig, mesh: Mesh) -> l
     micro, rows, length = largest_bucket(cfg, mesh.devices.flat[0].platform, step.batch_shards)
     shape = (micro, rows, length)
     batch: Any = PackedBatch(
-        *(
-            jax.ShapeDtypeStruct(shape, _BATCH_DTYPES.get(field, jnp.int32), sharding=step.batch_sharding)
-            for field in PackedBatch._fields
-        )
+        *(jax.ShapeDtypeStruct(shape, dtype, sharding=step.batch_sharding) for dtype, _ in PACKED_FIELDS)
     )
     if model.moe is not None:  # the rollout's experts of every input token, [M, B, L, Ym, K] (`PackedBatch.routing`)
         routed = (*shape, len(sparse_layer_ids(model)), model.moe.experts_per_token)

@@ -98,6 +98,29 @@ def _expert_group(model: ModelConfig, mesh_shape: dict[str, int], platform: str)
     return 0 if all_to_all else _shards(mesh_shape, "fsdp")
 
 
+def largest_bucket(cfg: ExperimentConfig, platform: str, batch_shards: int) -> tuple[int, int, int]:
+    """(micro-batches, rows, row length) of the largest micro-batch the packer can make, and as many of them as
+    a mini-batch of the longest samples needs."""
+    packing = cfg.packing_on(platform)
+    rows, length = packing.rows, packing.row_length
+    longest = cfg.longest_sample()[0]
+    per_row = max(1, length // max(1, longest))
+    sequences = -(-cfg.rollout.staleness.batch_prompts * cfg.rollout.workflow.n_samples // cfg.trainer.ppo_minibatches)
+    micro = max(1, -(-sequences // (rows * per_row)))
+    if packing.microbatch_rounding == "pow2":
+        micro = 1 << (micro - 1).bit_length()
+    else:
+        micro = -(-micro // packing.microbatch_multiple) * packing.microbatch_multiple
+    rows = -(-rows // batch_shards) * batch_shards
+    return micro, rows, length
+
+
+def trainer_compute_bytes(cfg: ExperimentConfig, model: ModelConfig, platform: str) -> int:
+    """Bytes of an element of the trainer's compute dtype (`trainer.compute_dtype`, or the model's on `platform`)."""
+    trainer_dtype = cfg.trainer.compute_dtype
+    return _bytes(model.compute_dtype_on(platform) if trainer_dtype == "model" else trainer_dtype)
+
+
 def _trainer_transients(
     cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int], platform: str
 ) -> tuple[int, int, int, int]:
@@ -106,8 +129,7 @@ def _trainer_transients(
     batch_shards = _shards(mesh_shape, "data", "fsdp")
     rows = max(1, packing.rows // batch_shards)
     tokens = rows * packing.row_length
-    trainer_dtype = cfg.trainer.compute_dtype
-    c = _bytes(model.compute_dtype_on(platform) if trainer_dtype == "model" else trainer_dtype)
+    c = trainer_compute_bytes(cfg, model, platform)
     expert_group = _expert_group(model, mesh_shape, platform)
     layer = _layer_activations(model, tokens, packing.row_length, rows, c, platform, expert_group) // _shards(
         mesh_shape, "tensor"

@@ -9,6 +9,10 @@ plan differs from its CPU lines (`memory.py`, calibrated on measured RSS) in fou
 - **Gradient buffers.** The gradient program of one micro-batch clips its gradient in place: one gradient-sized
   buffer (its output). Of several, a `lax.scan` carries the accumulated gradient, the body makes the
   micro-batch's beside it, and the clipped output is a third: three.
+- **The gradient program's other inputs and copies** (read from XLA:TPU's buffer assignment at Qwen3-30B-A3B and
+  R1-Distill-Qwen-1.5B, `docs/tpu.md`): the weights cast to the compute dtype, once a program for every layer
+  (a `convert` hoisted out of the micro-batch loop); the mini-batch, every micro-batch of it, as its argument;
+  with experts, every sparse layer's router logits, their cotangents and the expert ids (the ids' K in the lanes).
 - **One program at a time.** An engine chip runs its prefill, insert and decode step one after another: the
   plan counts the larger of the prefill's and the decode step's needs, not their sum.
 - **Compiled code, no flat overhead.** The CPU plan's 15% for XLA's unnamed temporaries is left out; each
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 from areal_jax.config import ExperimentConfig
@@ -37,15 +42,19 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, segment_ends
 from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.lora import split_trainable
+from areal_jax.models.moe import routing_dtype, sparse_layer_ids
 from areal_jax.planning import memory_terms as memory
-from areal_jax.planning.layouts import shard_shape, state_bytes, tiled_elements
+from areal_jax.planning.layouts import LANES, shard_shape, state_bytes, tiled_elements
 from areal_jax.planning.memory_terms import (
     MemoryItem,
     _bytes,
     _trainer_transients,
     engine_transients,
+    largest_bucket,
     one_microbatch_per_update,
+    trainer_compute_bytes,
 )
+from areal_jax.trainer.batching import PACKED_FIELDS
 
 MIB = 2**20
 GRADIENT_CODE_BYTES = 6 * MIB
@@ -62,7 +71,8 @@ def trainer_items(
     cfg: ExperimentConfig, model: ModelConfig, state: Any, mesh_shape: dict[str, int]
 ) -> list[MemoryItem]:
     """Per trainer chip: params, Adam moments and gradients in tiles, the largest micro-batch's activations and
-    log-prob logits, the gradient program's code."""
+    log-prob logits, the compute-dtype weights, the mini-batch inputs, router outputs, the gradient program's
+    code."""
     trainable, frozen = split_trainable(model, state)
     trained = state_bytes(trainable, mesh_shape, PLATFORM)
     params = trained + state_bytes(frozen, mesh_shape, PLATFORM)
@@ -75,7 +85,7 @@ def trainer_items(
         if one
         else MemoryItem(f"gradients{of} (accumulated, micro-batch, clipped)", 3 * trained, trained_keys)
     )
-    return [
+    items = [
         MemoryItem("params", params, state_keys),
         MemoryItem(f"Adam moments{of}", 2 * trained, trained_keys),
         gradients,
@@ -85,8 +95,55 @@ def trainer_items(
             ("trainer.packing.token_budget", "model.remat", "trainer.packing.rows"),
         ),
         MemoryItem(f"log-prob chunk logits ({chunk} tokens)", logits, ("model.logprob_chunk",)),
-        MemoryItem("compiled code (XLA:TPU, gradient program)", GRADIENT_CODE_BYTES, ("model.scan_layers",)),
     ]
+    c = trainer_compute_bytes(cfg, model, PLATFORM)
+    if c < _bytes(model.param_dtype):
+        compute = "bfloat16" if c == 2 else f"{c}-byte"
+        items.append(
+            MemoryItem(
+                f"weights in {compute} (cast once a program)",
+                state_bytes(state, mesh_shape, PLATFORM, c),
+                ("model.compute_dtype", *state_keys),
+            )
+        )
+    items.append(_minibatch_inputs(cfg, model, mesh_shape))
+    if model.moe is not None and any(model.sparse_layers):
+        items.append(_router_outputs(model, tokens))
+    items.append(MemoryItem("compiled code (XLA:TPU, gradient program)", GRADIENT_CODE_BYTES, ("model.scan_layers",)))
+    return items
+
+
+def _minibatch_inputs(cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dict[str, int]) -> MemoryItem:
+    """A chip's rows of the largest mini-batch, every micro-batch of it (the gradient program's batch argument):
+    PackedBatch's fields, the proximal and reference log-probs where the step takes them, the recorded routing."""
+    batch_shards = memory._shards(mesh_shape, "data", "fsdp")
+    micro, rows, length = largest_bucket(cfg, PLATFORM, batch_shards)
+    shard = (micro, rows // batch_shards, length)
+    itemsizes = [np.dtype(dtype).itemsize for dtype, _ in PACKED_FIELDS]
+    itemsizes += [4] * (int(cfg.trainer.ppo.needs_prox_pass) + int(cfg.trainer.uses_reference))
+    total = tiled_elements(shard, PLATFORM) * sum(itemsizes)
+    if model.moe is not None:
+        routed = (*shard, len(sparse_layer_ids(model)), model.moe.experts_per_token)
+        total += tiled_elements(routed, PLATFORM) * routing_dtype(model).itemsize
+    return MemoryItem(
+        f"mini-batch inputs ({micro} x {rows} x {length})",
+        total,
+        ("trainer.packing.token_budget", "trainer.ppo_minibatches", "trainer.packing.rows"),
+    )
+
+
+def _router_outputs(model: ModelConfig, tokens: int) -> MemoryItem:
+    """Every sparse layer's router logits kept for the load-balancing loss and statistics, their cotangents, and
+    the expert ids, for a chip's `tokens` (`trainer/moe_terms.py`); XLA:TPU lays the [tokens, K] ids with K in the
+    lanes, padded to 128 (Qwen3-30B-A3B: 768 MiB at 48 layers, its compiled gradient program)."""
+    assert model.moe is not None
+    layers, experts = len(sparse_layer_ids(model)), model.moe.num_experts
+    ids = -(-model.moe.experts_per_token // LANES) * LANES
+    return MemoryItem(
+        f"router logits and ids ({layers} sparse layers)",
+        layers * tokens * (2 * experts + ids) * 4,
+        ("trainer.packing.token_budget", "trainer.packing.rows"),
+    )
 
 
 def dense_cache_bytes(model: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int], c: int) -> int:

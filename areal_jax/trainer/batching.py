@@ -127,7 +127,7 @@ def split_minibatches(lengths_N: np.ndarray, count: int) -> list[np.ndarray]:
     return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
 
 
-_FIELDS = (  # PackedBatch field: dtype, padding value
+PACKED_FIELDS = (  # PackedBatch field: dtype, padding value (the host packer's and the compiled programs' rule)
     (np.int32, 0),  # tokens
     (np.int32, 0),  # targets
     (np.int32, 0),  # segment_ids
@@ -144,7 +144,7 @@ def _write_minibatch(
 ) -> PackedBatch[np.ndarray]:
     """The plan's placement of `trajectories` written straight into `[M, B, L]` arrays of `shape` (one copy of
     each token's data, shifted as in the module docstring); the rest is padding."""
-    out = [np.full(shape, pad, dtype) for dtype, pad in _FIELDS]
+    out = [np.full(shape, pad, dtype) for dtype, pad in PACKED_FIELDS]
     tokens, targets, segment_ids, positions, loss_mask, logp_behav, versions, advantages = out
     ranks = np.arange(int(plan.lengths_N.max()), dtype=np.int32)
     for k, t in enumerate(trajectories):
