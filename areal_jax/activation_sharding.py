@@ -8,14 +8,17 @@ does, makes the program FSDP: each layer's weights are all-gathered, its gradien
 the activations never leave their chips.
 
 A program opts in by tracing under `activations_on(mesh)`; outside it `constrain` is a no-op (the engine's
-programs and single-device code trace as before).
+programs and single-device code trace as before). The engine's programs trace under `jax.set_mesh` of their mesh
+instead (`on_mesh`): its kernels (paged attention, grouped matmuls) then run per shard, as on a TPU slice XLA cannot
+partition a Pallas kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
@@ -69,3 +72,51 @@ def mesh_platform() -> str:
     if mesh is not None and mesh.abstract_device is not None:
         return str(mesh.abstract_device.platform)
     return jax.default_backend()
+
+
+class MeshProgram:
+    """A jitted function lowered and called under `jax.set_mesh(mesh)`, so what it traces sees the mesh it runs
+    on (`program_mesh`, `mesh_platform`): on a TPU slice the Pallas kernels it picks run per shard under
+    `shard_map`, as `areal-jax compile` lowers them. Other attributes are the jitted function's."""
+
+    def __init__(self, jitted: Any, mesh: Mesh):
+        self.jitted = jitted
+        self.mesh = mesh
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._mesh_set():
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        with self._mesh_set():
+            return _LoweredOnMesh(self.jitted.lower(*args, **kwargs), self)
+
+    def _mesh_set(self) -> contextlib.AbstractContextManager[Any]:
+        """`jax.set_mesh(mesh)`, unless a mesh is set already (a caller's, e.g. `jax.eval_shape` under it:
+        `set_mesh` cannot be entered while tracing)."""
+        if not jax.sharding.get_abstract_mesh().empty:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted, name)
+
+
+class _LoweredOnMesh:
+    """A `MeshProgram`'s lowering, compiled under its mesh too (the compiler resolves shardings against it)."""
+
+    def __init__(self, lowered: Any, program: MeshProgram):
+        self.lowered = lowered
+        self.program = program
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        with self.program._mesh_set():
+            return self.lowered.compile(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)
+
+
+def on_mesh(jitted: Callable[..., Any], mesh: Mesh | None) -> Any:
+    """`jitted` traced under `mesh` (`MeshProgram`); itself without a mesh (one device)."""
+    return jitted if mesh is None else MeshProgram(jitted, mesh)

@@ -8,12 +8,16 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from areal_jax.activation_sharding import activations_on
 from areal_jax.config import load_experiment
 from areal_jax.configuration import ConfigError
+from areal_jax.inference.engine import Engine, EngineConfig
+from areal_jax.inference.generator import Generator
+from areal_jax.inference.sampling import SamplingParams
 from areal_jax.jobs.starting_policy import load_policy
 from areal_jax.models.hf_config import model_config_from_hf
 from areal_jax.planning.architecture import architecture
@@ -139,3 +143,27 @@ def test_qwen3_5_moe_takes_them_over_its_checkpoint_through_the_same_path(tmp_pa
     wrong = load_experiment(RECIPE, [*section, "model.hybrid.linear_value_head_dim=8"])
     with pytest.raises(ConfigError, match=r"model\.hybrid\.linear_value_head_dim: value 8 contradicts .* is 6"):
         policy_config(wrong, tokenizer)
+
+
+def test_the_engine_runs_its_programs_over_its_mesh(checkpoint):
+    """The engine's programs trace under its mesh (`activation_sharding.on_mesh`), as the trainer's do: over
+    fsdp=8 the all-to-all dispatch runs per shard in its decode step (a `shard_map`; on TPU the same wiring runs
+    megablox and the paged attention kernel per shard), and its greedy answers and their log-probs equal the
+    engine's on one device."""
+    cfg = _config(checkpoint, "model.moe.grouped_matmul=ragged_dot", "model.moe.dispatch=all_to_all")
+    tokenizer = build_tokenizer(cfg)
+    prompts = [[1, 2, 3], list(range(5, 20)), [7, 7], [30, 31, 32, 33]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    answers = {}
+    for name, mesh in (("one device", None), ("fsdp 8", make_mesh(MeshConfig(data=1, fsdp=8, tensor=1)))):
+        model = load_policy(cfg, mesh, tokenizer)
+        engine = Engine(model, EngineConfig(max_slots=8, max_length=32), mesh=mesh)
+        params = engine.load_params(nnx.state(model), 0)
+        decode = engine._generate.lower(params.state, params.layers, engine.init_decode_state(), None).as_text()
+        assert ("manual_computation" in decode) == (mesh is not None), name  # shard_map's region
+        with Generator(engine, params) as gen:
+            futures = [gen.submit(prompt, greedy) for prompt in prompts]
+            answers[name] = [future.result(timeout=180)[0] for future in futures]
+    for single, sharded in zip(answers["one device"], answers["fsdp 8"], strict=True):
+        assert sharded.output_ids == single.output_ids
+        np.testing.assert_allclose(sharded.output_logprobs, single.output_logprobs, atol=1e-4)

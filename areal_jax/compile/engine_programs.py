@@ -3,10 +3,11 @@
 Batched prefill of the most rows at the longest bucket, the insert of its prefixes into the decode state and
 the decode step attending the whole cache (dense or paged, as `rollout.engine.kv_cache` says), as `Engine`
 builds them for the rollout mesh (`every_bucket`: each length and row bucket, each decode bucket). Each is
-lowered under `jax.set_mesh` of the mesh, so the kernels chosen are those of its devices' platform (a TPU
-topology's from a CPU host). A hybrid (Qwen3.5) policy's decode state holds, beside its full-attention layers'
-KV cache (dense or paged), a recurrent state and a convolution window per slot and linear layer (`HybridCache`,
-`PagedHybridCache`): a resident line of their own, read whole by every decode step whatever positions it attends.
+lowered under `jax.set_mesh` of the mesh (the engine's own `on_mesh` wrapping), so the kernels chosen are those
+of its devices' platform (a TPU topology's from a CPU host). A hybrid (Qwen3.5) policy's decode state holds,
+beside its full-attention layers' KV cache (dense or paged), a recurrent state and a convolution window per slot
+and linear layer (`HybridCache`, `PagedHybridCache`): a resident line of their own, read whole by every decode
+step whatever positions it attends.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class EngineOnMesh:
                 self.layers = compile_with_outputs(
                     self._spec("layer copies", engine._weights._layer_states, (self.params,))
                 )[1]
-            self.decode_state = jax.eval_shape(engine._init_decode_state)  # with the jit's out_shardings
+            self.decode_state = engine._init_decode_state.eval_shape()  # with the jit's out_shardings
 
     def resident_lines(self, decode: CompiledProgram | None = None) -> tuple[tuple[str, int], ...]:
         """What a chip holds between calls by the compiler's shardings: weights, layer copies, decode state.
@@ -175,4 +176,5 @@ class EngineOnMesh:
         hbm: float = 0.0,
         static: tuple[int, ...] = (),
     ) -> ProgramSpec:
-        return ProgramSpec(name, jitted, args, resident, tokens, flops, hbm, static, lambda: jax.set_mesh(self.mesh))
+        # the engine's programs lower under its mesh themselves (`activation_sharding.on_mesh`)
+        return ProgramSpec(name, jitted, args, resident, tokens, flops, hbm, static)

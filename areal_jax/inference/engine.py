@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from areal_jax.activation_sharding import on_mesh
 from areal_jax.inference.engine_config import EngineConfig
 from areal_jax.inference.engine_warmup import compile_programs
 from areal_jax.inference.engine_weights import EngineWeights, VersionedParams
@@ -147,24 +148,36 @@ class Engine:
         # replicated (the emitted arrays are [S], tiny next to the step).
         spans_processes = mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
         emitted_sharding = NamedSharding(mesh, PartitionSpec()) if mesh is not None and spans_processes else None
-        self._prefill = jax.jit(self._prefill_impl)
-        self._prefill_batch = jax.jit(self._prefill_batch_impl)
-        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
-        self._insert_batch = jax.jit(self._insert_batch_impl, donate_argnums=(1,), out_shardings=self._decode_shardings)
-        self._generate = jax.jit(
-            self._generate_impl,
-            static_argnums=(3,),
-            donate_argnums=(2,),
-            out_shardings=(self._decode_shardings, emitted_sharding),
+        self._prefill = on_mesh(jax.jit(self._prefill_impl), mesh)
+        self._prefill_batch = on_mesh(jax.jit(self._prefill_batch_impl), mesh)
+        self._insert = on_mesh(
+            jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._decode_shardings), mesh
         )
-        self._generate_paged = jax.jit(
-            self._generate_paged_impl,
-            static_argnums=(4,),
-            donate_argnums=(2,),
-            out_shardings=(self._decode_shardings, emitted_sharding),
+        self._insert_batch = on_mesh(
+            jax.jit(self._insert_batch_impl, donate_argnums=(1,), out_shardings=self._decode_shardings), mesh
+        )
+        self._generate = on_mesh(
+            jax.jit(
+                self._generate_impl,
+                static_argnums=(3,),
+                donate_argnums=(2,),
+                out_shardings=(self._decode_shardings, emitted_sharding),
+            ),
+            mesh,
+        )
+        self._generate_paged = on_mesh(
+            jax.jit(
+                self._generate_paged_impl,
+                static_argnums=(4,),
+                donate_argnums=(2,),
+                out_shardings=(self._decode_shardings, emitted_sharding),
+            ),
+            mesh,
         )
         self._weights = EngineWeights(self.graphdef, state, self.model_config, self.param_shardings, self.layer_copies)
-        self._init_decode_state = jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings)
+        self._init_decode_state = on_mesh(
+            jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings), mesh
+        )
         # A paged step with no page-table change takes this no-op update: host data like every update, so
         # one program serves both.
         self._no_page_updates = PagedSlots.no_updates(config.max_slots, config.max_pages) if config.paged else None
