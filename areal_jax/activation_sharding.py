@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.sharding import logical_to_spec
 
@@ -50,6 +50,18 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     spec = logical_to_spec(names, x.shape, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def unsplit_axis(x: jax.Array, axis: int) -> jax.Array:
+    """`x` with dimension `axis` kept whole on every device of the program's mesh (`program_mesh`), its other
+    dimensions left to sharding propagation; `x` unchanged without a mesh. For the axis a `lax.scan` walks:
+    split, every step's slice of it is an all-gather of the whole array."""
+    mesh = program_mesh()
+    if mesh is None or mesh.size == 1:
+        return x
+    spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
+    spec[axis] = None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 def program_mesh() -> Mesh | AbstractMesh | None:

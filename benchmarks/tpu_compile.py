@@ -50,6 +50,7 @@ RECIPES = {
     "deepcoder_14b_code_tpu": "v5p-64",
     "qwen3_30b_a3b_deepscaler_tpu": "v5p-64",
     "qwen3_5_35b_a3b_deepscaler_tpu": "v5p-128",
+    "qwen3_5_27b_deepscaler_tpu": "v5p-128",
 }
 
 

@@ -100,3 +100,43 @@ def test_compile_command_compiles_a_hybrid_policy_for_a_tpu_slice(capsys):
     # the step updates the states in place (donated), and reads them whole whatever positions it attends
     assert decode["aliased"] >= resident["KV cache"] + resident["recurrent states"], decode
     assert decode["hbm_bytes"] > states, decode
+
+
+def test_a_prefill_of_fewer_rows_than_chips_keeps_its_chunks_whole():
+    """One row of 128 tokens (8 chunks of 16) of a mixture prefilled over 4 v5e chips: the expert dispatch splits
+    the row's tokens over the chips, propagation carried that split into the linear layers' sequence (and so their
+    chunks), and the chunk scan all-gathered every chunk at each step (on
+    Qwen3.5-35B-A3B's prefill over 32 chips: 1.7 TB a call at 4 layers). With the chunk axis whole, no step
+    gathers."""
+    pytest.importorskip("libtpu")
+    from areal_jax.compile import hlo
+    from areal_jax.compile.topology import slice_devices
+
+    overrides = [
+        *TINY,
+        "model.family=qwen3_5_moe",  # the experts split the row's tokens over the chips (all-to-all dispatch)
+        "model.moe={num_experts: 8, experts_per_token: 2, expert_intermediate_size: 128, norm_topk_prob: true, "
+        "shared_expert_intermediate_size: 128}",
+        "rollout.engine.max_length=128",
+        "rollout.engine.min_prefill_bucket=128",
+        "rollout.engine.max_prefill_batch=1",
+        "rollout.engine.max_slots=8",
+    ]
+    cfg = load_experiment(str(ROOT / "configs/train_cpu.yaml"), overrides)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4")))
+    engine = EngineOnMesh(cfg, cfg.model, mesh)
+    state = engine.engine  # the real engine's prefill, lowered under its mesh
+    i32 = jax.numpy.int32
+    lowered = state._prefill_batch.lower(
+        engine.params, jax.ShapeDtypeStruct((1, 128), i32), jax.ShapeDtypeStruct((1,), i32)
+    )
+    text = lowered.compile().as_text()
+    # a scan step's slice of a split array: an all-gather made by `dynamic_index_in_dim` in the loop body
+    stepwise = [line.split(" = ")[0].strip() for line in text.splitlines() if _gathers_a_step(line)]
+    assert not stepwise, stepwise
+    gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather"]
+    assert gathers and all(c.runs <= 8 for c in gathers)  # none in the scan more often than the projections' loop
+
+
+def _gathers_a_step(line: str) -> bool:
+    return " all-gather(" in line and "dynamic_index_in_dim" in line

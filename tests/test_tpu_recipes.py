@@ -24,6 +24,7 @@ TPU = {
     "deepcoder_14b_code_tpu": "v5p-64",
     "qwen3_30b_a3b_deepscaler_tpu": "v5p-64",
     "qwen3_5_35b_a3b_deepscaler_tpu": "v5p-128",
+    "qwen3_5_27b_deepscaler_tpu": "v5p-128",
 }
 # (layers, width, KV heads, params in billions) of each checkpoint: its config.json, read back
 SHAPES = {
@@ -35,6 +36,7 @@ SHAPES = {
     # the text model only: the published 35B also counts the vision tower and the multi-token-prediction layer,
     # which the loader skips (models/hybrid_io.py)
     "Qwen3.5-35B-A3B": (40, 2048, 2, 34.66),
+    "Qwen3.5-27B": (64, 5120, 4, 26.90),
 }
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from areal_jax.activation_sharding import unsplit_axis
+
 # HF's chunk length: the intra-chunk work is [C, C] per head and chunk, the scan J = T / C steps long.
 DEFAULT_CHUNK = 64
 
@@ -149,7 +151,11 @@ def chunk_gated_delta_rule(
 
     xs = (values_BxJxHxCxV, state_keys_BxJxHxCxK, attn_BxJxHxCxC, q_state_BxJxHxCxK, k_end_BxJxHxCxK, state_decay_BxJxH)
     initial = _initial_state(initial_state_BxHxKxV, (b, h, kd, vd), v.dtype)
-    state_BxHxKxV, out_JxBxHxCxV = jax.lax.scan(step, initial, tuple(jnp.moveaxis(x, 1, 0) for x in xs))
+    # the chunk axis whole on every device: a prefill of fewer rows than devices left it to propagation, which
+    # split the sequence (and so the chunks), and each step's chunk became an all-gather of every chunk (XLA:TPU,
+    # Qwen3.5-35B-A3B's prefill of 4 x 28,672 over 32 chips: 448 gathers of 235-470 MB a linear layer)
+    xs = tuple(unsplit_axis(jnp.moveaxis(x, 1, 0), 0) for x in xs)
+    state_BxHxKxV, out_JxBxHxCxV = jax.lax.scan(step, initial, xs)
     out_BxTxHxV = jnp.moveaxis(out_JxBxHxCxV, 0, 1).swapaxes(2, 3).reshape(b, j * chunk, h, vd)[:, :t]
     return out_BxTxHxV.astype(v_BxTxHxV.dtype), state_BxHxKxV
 
