@@ -92,3 +92,31 @@ def test_sharded_fused_model_equals_single_device_and_params_follow_rules(tmp_pa
     np.testing.assert_allclose(loss_8, loss_1, atol=1e-6)
     for (path, g8), (_, g1) in zip(nnx.to_flat_state(grads_8), nnx.to_flat_state(grads_1), strict=True):
         np.testing.assert_allclose(g8[...], g1[...], atol=1e-6, err_msg=str(path))
+
+
+def test_rows_written_locally_equal_a_scatter_and_move_no_array():
+    """`put_rows_locally` under a mesh of 8 (rows over data 2 x fsdp 4, heads over nothing): the same array as a
+    plain scatter at rows (out-of-range rows dropped, a partial write along the last axis), left on its shards,
+    and nothing the size of a device's share moves (XLA:TPU's case, where a plain scatter did:
+    tests/test_tpu_compile.py)."""
+    from areal_jax.activation_sharding import put_rows_locally
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1))
+    names = ("slots", "kv_heads", "length")
+    target = jnp.arange(16 * 3 * 10, dtype=jnp.float32).reshape(16, 3, 10)
+    values = -jnp.arange(4 * 3 * 6, dtype=jnp.float32).reshape(4, 3, 6) - 1
+    rows = jnp.asarray([3, 15, 16, 8], jnp.int32)  # 16: out of range, dropped
+    at = (slice(None), slice(0, 6))
+    want = target.at[(rows, *at)].set(values, mode="drop")
+    sharding = jax.sharding.NamedSharding(mesh, logical_to_spec(names, target.shape, mesh))
+    program = jax.jit(lambda t, r, v: put_rows_locally(t, r, v, names, at), out_shardings=sharding)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(target, sharding)
+        got = program(placed, rows, values)
+        text = program.lower(placed, rows, values).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding.spec == sharding.spec
+    from areal_jax.compile import hlo
+
+    moved = [c for c in hlo.collectives(text) if c.bytes >= target.size * 4 // 8]  # a device's share of it
+    assert not moved, moved

@@ -202,3 +202,25 @@ def test_paged_engine_compiles_with_the_tpu_kernel_per_shard():
     pool = cfg.rollout.engine.pool_pages * cfg.rollout.engine.page_size * 128 * 4  # f32 K or V, 1 KV head
     assert resident["KV cache"] >= 2 * cfg.model.num_layers * pool  # pools whole on every chip
     assert programs["decode"].aliased >= resident["KV cache"]
+
+
+def test_an_insert_writes_each_slot_on_its_chip():
+    """One prefix row inserted into the dense cache split over 4 v5e chips by slot: left to the partitioner, the
+    scatter at a traced slot all-gathered every cache segment on every chip (R1-Distill-1.5B over 4 v6e chips:
+    92 GB a call, docs/tpu.md); written on the slot's own chip (`activation_sharding.put_rows_locally`), no
+    collective carries a cache segment."""
+    overrides = [
+        *TINY,
+        "model.num_heads=1",
+        "model.num_kv_heads=1",
+        "rollout.engine.max_slots=64",
+        "rollout.engine.max_length=128",
+        "rollout.engine.min_prefill_bucket=32",
+        "rollout.engine.max_prefill_batch=1",
+    ]
+    cfg = load_experiment(str(ROOT / "configs/train_cpu.yaml"), overrides)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4")))
+    programs = {p.name.split(" ")[0]: p for p in EngineOnMesh(cfg, cfg.model, mesh).compile()}
+    segment = 64 // 4 * 128 * 32 * 4  # a chip's 16 slots of the first segment's keys (1 head of 128, 32 positions)
+    moved = {kind: c for kind, c in programs["insert"].collectives.items() if c["bytes"] >= segment}
+    assert not moved, programs["insert"].collectives

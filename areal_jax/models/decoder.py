@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.activation_sharding import ROW_AXES, constrain
+from areal_jax.activation_sharding import ROW_AXES, constrain, put_rows_locally
 from areal_jax.models.attention import get_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
@@ -131,17 +131,23 @@ class KVCache:
         t = prefix.length
         spans = [(a, min(b, t)) for a, b in zip(_starts(self.ends), self.ends, strict=True) if a < t]
 
-        def put(segments: tuple[jax.Array, ...], entries_BxKxT: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+        def put(
+            segments: tuple[jax.Array, ...], entries_BxKxT: jax.Array, axis: int, names: tuple[str, ...]
+        ) -> tuple[jax.Array, ...]:
             written = []
             for segment, (a, b) in zip(segments, spans, strict=False):
                 part = jax.lax.slice_in_dim(entries_BxKxT, a, b, axis=axis).astype(segment.dtype)
-                index = (rows_B, *[slice(None)] * (axis - 1), slice(0, b - a))
-                written.append(segment.at[index].set(part, mode="drop"))
+                at = (*[slice(None)] * (axis - 1), slice(0, b - a))
+                written.append(put_rows_locally(segment, rows_B, part, names, at))
             return (*written, *segments[len(spans) :])
 
         return KVCache(
-            k=tuple(put(c, jnp.concatenate(p, axis=3), 3) for c, p in zip(self.k, prefix.k, strict=True)),
-            v=tuple(put(c, jnp.concatenate(p, axis=2), 2) for c, p in zip(self.v, prefix.v, strict=True)),
+            k=tuple(
+                put(c, jnp.concatenate(p, axis=3), 3, KEY_CACHE_AXES) for c, p in zip(self.k, prefix.k, strict=True)
+            ),
+            v=tuple(
+                put(c, jnp.concatenate(p, axis=2), 2, VALUE_CACHE_AXES) for c, p in zip(self.v, prefix.v, strict=True)
+            ),
         )
 
 
