@@ -154,8 +154,8 @@ def chunk_gated_delta_rule(
     # the chunk axis whole on every device: a prefill of fewer rows than devices left it to propagation, which
     # split the sequence (and so the chunks), and each step's chunk became an all-gather of every chunk (XLA:TPU,
     # Qwen3.5-35B-A3B's prefill of 4 x 28,672 over 32 chips: 448 gathers of 235-470 MB a linear layer)
-    xs = tuple(unsplit_axis(jnp.moveaxis(x, 1, 0), 0) for x in xs)
-    state_BxHxKxV, out_JxBxHxCxV = jax.lax.scan(step, initial, xs)
+    per_chunk = tuple(unsplit_axis(jnp.moveaxis(x, 1, 0), 0) for x in xs)
+    state_BxHxKxV, out_JxBxHxCxV = jax.lax.scan(step, initial, per_chunk)
     out_BxTxHxV = jnp.moveaxis(out_JxBxHxCxV, 0, 1).swapaxes(2, 3).reshape(b, j * chunk, h, vd)[:, :t]
     return out_BxTxHxV.astype(v_BxTxHxV.dtype), state_BxHxKxV
 
