@@ -68,6 +68,12 @@ def test_engine_lines_count_the_recurrent_states_per_slot():
     assert [item.bytes for item in plan.items if item.name.startswith("recurrent states")] == [states]
     assert engine._cache_read(LENGTH) == kv + states
     assert engine._cache_read(LENGTH // 2) == kv // 2 + states
+    # over 1 x 2 tensor chips the states split by value heads (the windows stay whole): the plan's line follows
+    split = make_mesh(MeshConfig(data=1, fsdp=1, tensor=2), devices[CHIPS:])
+    by_heads = dict(EngineOnMesh(cfg, cfg.model, split).resident_lines())["recurrent states"]
+    plan = plan_memory(cfg, cfg.model, trainer_mesh, split).sides[1]
+    assert [item.bytes for item in plan.items if item.name.startswith("recurrent states")] == [by_heads]
+    assert by_heads < 2 * states  # not every slot's whole state on each chip
 
 
 @pytest.mark.slow  # ~50 s on a 2-core machine, most of it XLA:TPU compiling the gradient program

@@ -11,9 +11,11 @@ import jax.numpy as jnp
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import EngineConfig
+from areal_jax.inference.slot_cache import STATE_AXES, WINDOW_AXES
 from areal_jax.models.attention import ROW_BLOCK, uses_splash
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.moe import dispatch_impl, grouped_matmul_impl
+from areal_jax.planning.layouts import shard_shape
 
 # XLA's temporaries beyond the counted arrays, and the transient copies of a load or a weight update, as a
 # share of the counted bytes.
@@ -235,10 +237,13 @@ def inference_items(
         copies = y * _layer_params(model) * served // weight_shards
         items.append(MemoryItem("per-layer weight copies", copies, ("rollout.engine.decode_layer_copies",)))
     items.append(MemoryItem(kv_name, kv, kv_keys))
-    if hy is not None:  # per slot and linear layer: the fp32 recurrent state and the convolution window
-        state = hy.linear_num_value_heads * hy.linear_key_head_dim * hy.linear_value_head_dim * 4
-        window = (hy.conv_kernel - 1) * hy.linear_num_key_heads * hy.group_width * c
-        states = engine.max_slots * hy.count("linear_attention") * (state + window) // slot_shards
+    if hy is not None:  # per linear layer: the fp32 recurrent states and the convolution windows, split as the cache's
+        slots = engine.max_slots
+        state = (slots, hy.linear_num_value_heads, hy.linear_key_head_dim, hy.linear_value_head_dim)
+        window = (slots, hy.conv_kernel - 1, hy.linear_num_key_heads * hy.group_width)
+        per_layer = math.prod(shard_shape(state, STATE_AXES, mesh_shape)) * 4
+        per_layer += math.prod(shard_shape(window, WINDOW_AXES, mesh_shape)) * c
+        states = hy.count("linear_attention") * per_layer
         items.append(MemoryItem(f"recurrent states ({engine.max_slots} slots)", states, ("rollout.engine.max_slots",)))
     items += [
         MemoryItem(
