@@ -136,9 +136,9 @@ class MeshProgram:
             return _LoweredOnMesh(self.jitted.lower(*args, **kwargs), self)
 
     def _mesh_set(self) -> contextlib.AbstractContextManager[Any]:
-        """`jax.set_mesh(mesh)`, unless a mesh is set already (a caller's, e.g. `jax.eval_shape` under it:
-        `set_mesh` cannot be entered while tracing)."""
-        if not jax.sharding.get_abstract_mesh().empty:
+        """`jax.set_mesh(mesh)`, unless this mesh is set already (a caller's `jax.eval_shape` under it: `set_mesh`
+        cannot be entered while tracing). Another mesh in the caller's context is replaced for the call."""
+        if jax.sharding.get_abstract_mesh() == self.mesh.abstract_mesh:
             return contextlib.nullcontext()
         return jax.set_mesh(self.mesh)
 

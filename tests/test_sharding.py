@@ -120,3 +120,26 @@ def test_rows_written_locally_equal_a_scatter_and_move_no_array():
 
     moved = [c for c in hlo.collectives(text) if c.bytes >= target.size * 4 // 8]  # a device's share of it
     assert not moved, moved
+
+
+def test_a_mesh_program_traces_under_its_own_mesh():
+    """`on_mesh`: a jitted function traces under its own mesh, whether called bare, lowered, or called inside a
+    caller's `jax.set_mesh` of another mesh (which it replaces for the call and restores)."""
+    from areal_jax.activation_sharding import on_mesh, program_mesh
+
+    mine, other = make_mesh(MeshConfig(data=2, fsdp=4, tensor=1)), make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    seen = []
+
+    def traced(x: jax.Array) -> jax.Array:
+        mesh = program_mesh()
+        seen.append(None if mesh is None else dict(mesh.shape))
+        return x + 1
+
+    program = on_mesh(jax.jit(traced), mine)
+    assert on_mesh(traced, None) is traced  # one device: the function itself
+    np.testing.assert_array_equal(np.asarray(program(jnp.zeros(8))), np.ones(8))
+    program.lower(jnp.zeros(4)).compile()
+    with jax.set_mesh(other):
+        program(jnp.zeros(2))
+        assert dict(jax.sharding.get_abstract_mesh().shape) == dict(other.shape)
+    assert seen == [dict(mine.shape)] * 3

@@ -12,7 +12,7 @@ from areal_jax.compile import hlo
 from areal_jax.compile.engine_programs import EngineOnMesh
 from areal_jax.compile.topology import parse_slice, slice_devices
 from areal_jax.compile.trainer_programs import trainer_programs
-from areal_jax.config import load_experiment
+from areal_jax.config import ExperimentConfig, load_experiment
 from areal_jax.configuration import ConfigError
 from areal_jax.exit_codes import EXIT_USER_ERROR
 from areal_jax.sharding import MeshConfig, make_mesh
@@ -178,22 +178,22 @@ def test_a_mesh_that_does_not_divide_the_slice_is_refused_before_compiling(capsy
     assert f"rollout.inference_share: the rollout's mesh splits fsdp over {rollout_chips} chips" in err, err
 
 
+def _engine_on_v5e_4(*overrides: str) -> tuple[ExperimentConfig, EngineOnMesh]:
+    """The engine of the tiny shape at head dim 128 (TPU kernels' tiling; one head) and prefill buckets from 32,
+    on 4 v5e chips (fsdp 4), with `overrides`."""
+    extra = ["model.num_heads=1", "model.num_kv_heads=1", "rollout.engine.min_prefill_bucket=32", *overrides]
+    cfg = load_experiment(str(ROOT / "configs/train_cpu.yaml"), [*TINY, *extra])
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4")))
+    return cfg, EngineOnMesh(cfg, cfg.model, mesh)
+
+
 def test_paged_engine_compiles_with_the_tpu_kernel_per_shard():
     """The paged engine on 4 v5e chips: its decode step calls JAX's Pallas paged attention kernel (the mesh's
     platform picks it, though this machine's backend is the CPU), once per shard of the slots; the decode
     state is donated, so the step's new cache reuses the old one's buffers."""
-    paged = [
-        *TINY,
-        "model.num_heads=1",  # head dim 128: the kernel's tiling
-        "model.num_kv_heads=1",
-        "rollout.engine.kv_cache=paged",
-        "rollout.engine.max_slots=8",
-        "rollout.engine.max_length=64",
-        "rollout.engine.min_prefill_bucket=32",
-    ]
-    cfg = load_experiment(str(ROOT / "configs/train_cpu.yaml"), paged)
-    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4")))
-    engine = EngineOnMesh(cfg, cfg.model, mesh)
+    cfg, engine = _engine_on_v5e_4(
+        "rollout.engine.kv_cache=paged", "rollout.engine.max_slots=8", "rollout.engine.max_length=64"
+    )
     programs = {p.name.split(" ")[0]: p for p in engine.compile()}
     assert set(programs) == {"prefill", "insert", "decode"}
     assert "paged_attention" in programs["decode"].kernels, programs["decode"].kernels
@@ -209,18 +209,10 @@ def test_an_insert_writes_each_slot_on_its_chip():
     scatter at a traced slot all-gathered every cache segment on every chip (R1-Distill-1.5B over 4 v6e chips:
     92 GB a call, docs/tpu.md); written on the slot's own chip (`activation_sharding.put_rows_locally`), no
     collective carries a cache segment."""
-    overrides = [
-        *TINY,
-        "model.num_heads=1",
-        "model.num_kv_heads=1",
-        "rollout.engine.max_slots=64",
-        "rollout.engine.max_length=128",
-        "rollout.engine.min_prefill_bucket=32",
-        "rollout.engine.max_prefill_batch=1",
-    ]
-    cfg = load_experiment(str(ROOT / "configs/train_cpu.yaml"), overrides)
-    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4")))
-    programs = {p.name.split(" ")[0]: p for p in EngineOnMesh(cfg, cfg.model, mesh).compile()}
+    _, engine = _engine_on_v5e_4(
+        "rollout.engine.max_slots=64", "rollout.engine.max_length=128", "rollout.engine.max_prefill_batch=1"
+    )
+    programs = {p.name.split(" ")[0]: p for p in engine.compile()}
     segment = 64 // 4 * 128 * 32 * 4  # a chip's 16 slots of the first segment's keys (1 head of 128, 32 positions)
     moved = {kind: c for kind, c in programs["insert"].collectives.items() if c["bytes"] >= segment}
     assert not moved, programs["insert"].collectives

@@ -156,24 +156,15 @@ class Engine:
         self._insert_batch = on_mesh(
             jax.jit(self._insert_batch_impl, donate_argnums=(1,), out_shardings=self._decode_shardings), mesh
         )
-        self._generate = on_mesh(
-            jax.jit(
-                self._generate_impl,
-                static_argnums=(3,),
-                donate_argnums=(2,),
-                out_shardings=(self._decode_shardings, emitted_sharding),
-            ),
-            mesh,
-        )
-        self._generate_paged = on_mesh(
-            jax.jit(
-                self._generate_paged_impl,
-                static_argnums=(4,),
-                donate_argnums=(2,),
-                out_shardings=(self._decode_shardings, emitted_sharding),
-            ),
-            mesh,
-        )
+
+        def decode_program(impl: Any, attend_argnum: int) -> Any:
+            """A decode step: the decode state donated, the attended length static."""
+            shardings = (self._decode_shardings, emitted_sharding)
+            jitted = jax.jit(impl, static_argnums=(attend_argnum,), donate_argnums=(2,), out_shardings=shardings)
+            return on_mesh(jitted, mesh)
+
+        self._generate = decode_program(self._generate_impl, 3)
+        self._generate_paged = decode_program(self._generate_paged_impl, 4)
         self._weights = EngineWeights(self.graphdef, state, self.model_config, self.param_shardings, self.layer_copies)
         self._init_decode_state = on_mesh(
             jax.jit(self._init_decode_state_impl, out_shardings=self._decode_shardings), mesh
