@@ -146,3 +146,42 @@ def test_a_prefill_of_fewer_rows_than_chips_keeps_its_chunks_whole():
 
 def _gathers_a_step(line: str) -> bool:
     return " all-gather(" in line and "dynamic_index_in_dim" in line
+
+
+def test_the_proximal_pass_of_a_hybrid_keeps_activations_on_their_chips():
+    """fsdp 4 x tensor 2 over 8 v5p chips, one row a chip's pair: no floating-point collective of the hybrid's
+    forward (the proximal pass) carries the whole batch's rows. Unpinned, the pass ran every row on every chip over
+    its slice of the hidden axis and all-reduced the MLP's activations (here 114 MiB a call; Qwen3.5-27B at 4
+    layers over 32 chips: 3.9 TB a call and 25.7 GiB of temporaries, pinned 0.19 TB and 5.9 GiB). Widths at which
+    XLA:TPU makes that choice; at TINY's it does not."""
+    pytest.importorskip("libtpu")
+    from areal_jax.compile import hlo
+    from areal_jax.compile.topology import slice_devices
+    from areal_jax.compile.trainer_programs import trainer_programs
+
+    rows, length = 4, 1024
+    overrides = [
+        *TINY,
+        "model.hidden_size=1024",
+        "model.intermediate_size=4096",
+        "model.num_heads=8",
+        "model.num_kv_heads=2",
+        "model.num_layers=4",
+        "model.vocab_size=32768",
+        "model.max_position_embeddings=4096",
+        "model.remat=full",
+        "model.hybrid={layer_types: [linear_attention, linear_attention, linear_attention, full_attention], "
+        "linear_num_key_heads: 4, linear_num_value_heads: 8, linear_key_head_dim: 128, linear_value_head_dim: 128}",
+        f"trainer.packing.rows={rows}",
+        f"trainer.packing.token_budget={rows * length}",
+        "rollout.engine.max_length=1024",
+        "rollout.staleness.batch_prompts=16",
+    ]
+    cfg = load_experiment(str(ROOT / "configs/train_cpu.yaml"), overrides)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2), list(slice_devices("v5p-16")))
+    spec = next(spec for spec in trainer_programs(cfg, cfg.model, mesh) if spec.name.startswith("proximal"))
+    found = hlo.collectives(spec.jitted.lower(*spec.args).compile().as_text())
+    whole_batch = [
+        c for c in found for dtype, dims in c.shapes if dtype in ("bf16", "f32") and dims[:2] == (rows, length)
+    ]
+    assert not whole_batch, whole_batch

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.activation_sharding import ROW_AXES, constrain
 from areal_jax.models import hybrid_serving
 from areal_jax.models.attention import AttentionFn, get_attention
 from areal_jax.models.config import ModelConfig
@@ -148,8 +149,10 @@ class GatedDeltaNet(nnx.Module):
         """Packed rows: state and convolution window start from zero at each `reset`."""
         mixed_BxTxAJ, z_BxTxLxV, beta_BxTxL, g_BxTxL = self._inputs(x_BxTxD)
         q, k, v = self._split(causal_conv1d(mixed_BxTxAJ, self._conv_kernel(), reset_BxT), z_BxTxLxV)
+        q, k = (constrain(x, (*ROW_AXES, "kv_heads", None)) for x in (q, k))
+        v, z_BxTxLxV = (constrain(x, (*ROW_AXES, "heads", None)) for x in (v, z_BxTxLxV))
         out_BxTxLxV, _ = chunk_gated_delta_rule(q, k, v, g_BxTxL, beta_BxTxL, reset_BxT, chunk=self.chunk)
-        return self._finish(out_BxTxLxV, z_BxTxLxV)
+        return self._finish(constrain(out_BxTxLxV, (*ROW_AXES, "heads", None)), z_BxTxLxV)
 
     def prefill(self, x_BxTxD: jax.Array, lengths_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Right-padded prompts (one per row, from an empty state): the output [B, T, D] and what decoding
@@ -230,8 +233,10 @@ class GatedAttention(nnx.Module):
         attend: AttentionFn,
     ) -> jax.Array:
         q_BxTxNxH, gate_BxTxNxH, k_BxTxKxH, v_BxTxKxH = self.inputs(x_BxTxD, sin_BxTxR, cos_BxTxR)
+        q_BxTxNxH, gate_BxTxNxH = (constrain(x, (*ROW_AXES, "heads", None)) for x in (q_BxTxNxH, gate_BxTxNxH))
+        k_BxTxKxH, v_BxTxKxH = (constrain(x, (*ROW_AXES, "kv_heads", None)) for x in (k_BxTxKxH, v_BxTxKxH))
         out_BxTxNxH = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids=segment_ids_BxT, positions=positions_BxT)
-        return self.output(out_BxTxNxH, gate_BxTxNxH)
+        return self.output(constrain(out_BxTxNxH, (*ROW_AXES, "heads", None)), gate_BxTxNxH)
 
 
 class _FeedForwardHalf(nnx.Module):
@@ -374,7 +379,8 @@ class HybridDecoder(Decoder):
         def run_layer(
             kind: str, x_BxTxD: jax.Array, state: nnx.State, replay_BxTxK: jax.Array | None
         ) -> tuple[jax.Array, RouterOutput | None]:
-            return nnx.merge(graphdefs[kind], state)(x_BxTxD, *mixer_args[kind], replay_BxTxK=replay_BxTxK)
+            x_BxTxD, router = nnx.merge(graphdefs[kind], state)(x_BxTxD, *mixer_args[kind], replay_BxTxK=replay_BxTxK)
+            return constrain(x_BxTxD, (*ROW_AXES, None)), router
 
         if cfg.remat != "none":
             # each layer is its own remat unit, as in the `Decoder`: a scan step keeps its layers' inputs and its
@@ -413,7 +419,10 @@ class HybridDecoder(Decoder):
             return x_BxTxD, RouterOutput(*(jnp.concatenate(field) for field in zip(*routers, strict=True)))
 
         x_BxTxD, routers = jax.lax.scan(
-            step, self._embed(tokens_BxT), (stacks, replay_RxPxBxTxK), unroll=not cfg.scans_layers()
+            step,
+            constrain(self._embed(tokens_BxT), (*ROW_AXES, None)),
+            (stacks, replay_RxPxBxTxK),
+            unroll=not cfg.scans_layers(),
         )
         if routers is None:
             return x_BxTxD, None, None
