@@ -63,12 +63,15 @@ def _layer_activations(
     dtype_bytes: int,
     platform: str,
     expert_group: int = 1,
+    trained: bool = True,
 ) -> int:
     """One layer's intermediates for `tokens` tokens in rows of `row_length` (forward values and their
     cotangents): projections, MLP hidden, and the attention scores of a query block (none under the splash
     kernel, which keeps its tiles on chip: `attention.uses_splash` on `platform`). `expert_group`: the
     devices whose tokens a mixture's dispatch gathers on each (`models/moe.py`): the all-gather dispatch's expert
-    group, whose dispatch rows are that many times the device's own tokens'; 0 for the all-to-all dispatch."""
+    group, whose dispatch rows are that many times the device's own tokens'; 0 for the all-to-all dispatch. A
+    hybrid's layer is the larger of its two kinds when `trained`; a prefill (not `trained`) counts its full layers
+    only (the line, not split over the engine's chips, is already above XLA:TPU's on Qwen3.5, docs/tpu.md)."""
     d, f, h = model.hidden_size, model.intermediate_size, model.resolved_head_dim
     n, k = model.num_heads, model.num_kv_heads
     feed_forward = 3 * f
@@ -83,12 +86,35 @@ def _layer_activations(
         else:
             dispatch = moe.num_experts + picks * (4 * d + 3 * expert_f)
         feed_forward = dispatch if all(model.sparse_layers) else max(feed_forward, dispatch)
-    per_token = (n + 2 * k) * h + n * h + 4 * d + feed_forward
+    # a hybrid's full layers also project each query head's output gate (`models/hybrid.py`)
+    gates = 0 if model.hybrid is None else n * h
+    per_token = (n + 2 * k) * h + gates + n * h + 4 * d + feed_forward
     block = min(ROW_BLOCK, row_length)
     scores = rows * n * block * row_length * 4 * 2  # fp32 scores and probabilities of a query block
     if uses_splash(model.attention_impl, platform, row_length):
         scores = 0
-    return 2 * tokens * per_token * dtype_bytes + scores
+    full = 2 * tokens * per_token * dtype_bytes + scores
+    if model.hybrid is None or not model.hybrid.count("linear_attention") or not trained:
+        return full
+    return max(full, _linear_layer_activations(model, tokens, dtype_bytes, 4 * d + feed_forward))
+
+
+def _linear_layer_activations(model: ModelConfig, tokens: int, dtype_bytes: int, rest_per_token: int) -> int:
+    """A Gated DeltaNet layer's intermediates (`models/gated_delta.py`) for `tokens` tokens: its projections in the
+    compute dtype with their cotangents, beside the norms and the feed-forward's `rest_per_token`, and the delta
+    rule's fp32 arrays. Per value head and token those are q and k repeated, normed and scaled, then the chunk's
+    key products (9 K wide), v, its write-weighted, solved, corrected and output values (5 V), five [C, C] chunk
+    matrices (the decay spans, the system, the attention), and each chunk's carried state [K, V] that its scan
+    saves for the backward pass. Counted once, not with cotangents: XLA:TPU held 7.2 GB of them at the gradient
+    program's peak for the 7.45 GB this counts (Qwen3.5-27B, 32,768 tokens, 24 value heads a chip)."""
+    hy = model.hybrid
+    assert hy is not None
+    kh, vh = hy.linear_num_key_heads, hy.linear_num_value_heads
+    kd, vd, c = hy.linear_key_head_dim, hy.linear_value_head_dim, hy.chunk
+    # q/k/v before and after the convolution, the output gate z and the rule's output
+    projections = 2 * (2 * kh * kd + vh * vd) + 2 * vh * vd
+    rule = vh * (9 * kd + 5 * vd + 5 * c + kd * vd // c) * 4
+    return tokens * (2 * (projections + rest_per_token) * dtype_bytes + rule)
 
 
 def _expert_group(model: ModelConfig, mesh_shape: dict[str, int], platform: str) -> int:
@@ -197,7 +223,7 @@ def engine_transients(engine: EngineConfig, model: ModelConfig, c: int, platform
     kv_layers = model.num_layers if model.hybrid is None else model.hybrid.count("full_attention")
     rows = min(engine.max_prefill_batch, engine.max_slots)
     tokens = rows * engine.max_length
-    activations = _layer_activations(model, tokens, engine.max_length, rows, c, platform)
+    activations = _layer_activations(model, tokens, engine.max_length, rows, c, platform, trained=False)
     prefill = kv_layers * tokens * k * h * 2 * c + activations // 2
     decode = engine.max_slots * model.vocab_size * 4 * 4
     return rows, prefill, decode
