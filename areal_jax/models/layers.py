@@ -12,7 +12,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.lora import adapter
-from areal_jax.models.moe import MoEBlock, RouterOutput
+from areal_jax.models.moe import MoEBlock, RouterOutput, expert_ids_dtype
 from areal_jax.models.rope import apply_rope
 
 
@@ -210,7 +210,7 @@ class DecoderLayer(nnx.Module):
         def dense(x: jax.Array) -> tuple[jax.Array, RouterOutput]:
             b, t, _ = x.shape
             e, k = moe.moe.num_experts, moe.moe.experts_per_token
-            none_BxTxK = jnp.zeros((b, t, k), jnp.int32)
+            none_BxTxK = jnp.zeros((b, t, k), expert_ids_dtype(e))
             none = RouterOutput(jnp.zeros((b, t, e), jnp.float32), none_BxTxK, none_BxTxK)
             return mlp(x, dropout_key), none
 

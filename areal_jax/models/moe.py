@@ -112,13 +112,20 @@ def sparse_layer_ids(cfg: ModelConfig) -> tuple[int, ...]:
 def routing_dtype(cfg: ModelConfig) -> jnp.dtype:
     """The compact dtype of recorded expert ids: uint8 up to 256 experts, else uint16."""
     assert cfg.moe is not None
-    return jnp.dtype(jnp.uint8 if cfg.moe.num_experts <= 256 else jnp.uint16)
+    return expert_ids_dtype(cfg.moe.num_experts)
+
+
+def expert_ids_dtype(num_experts: int) -> jnp.dtype:
+    """The dtype expert ids are recorded and kept in: uint8 up to 256 experts, else uint16. A router's ids stay
+    in it too: stacked over the layers for the statistics, XLA:TPU lays [tokens, K] with K in 128 lanes, so int32
+    held 4x the bytes (Qwen3-30B-A3B: 768 MiB a chip)."""
+    return jnp.dtype(jnp.uint8 if num_experts <= 256 else jnp.uint16)
 
 
 class RouterOutput(NamedTuple):
-    """What a sparse layer's router did, per token: its logits [..., E] fp32, its own top-k experts [..., K] int32
-    and the experts the token was computed with [..., K] int32 (the top-k, or the replayed ones). Zeros in a
-    dense layer of a mixed stack."""
+    """What a sparse layer's router did, per token: its logits [..., E] fp32, its own top-k experts [..., K] and
+    the experts the token was computed with [..., K] (the top-k, or the replayed ones), ids in `expert_ids_dtype`.
+    Zeros in a dense layer of a mixed stack."""
 
     logits: jax.Array
     experts: jax.Array
@@ -455,6 +462,8 @@ class MoEBlock(nnx.Module):
         )
         if self.shared_gate_up is not None:
             out_MxD = out_MxD + self.shared_expert(x_MxD)
+        ids = expert_ids_dtype(self.moe.num_experts)
+        experts_MxK, used_MxK = experts_MxK.astype(ids), used_MxK.astype(ids)
         router = RouterOutput(*(a.reshape(b, t, -1) for a in (logits_MxE, experts_MxK, used_MxK)))
         return out_MxD.reshape(b, t, d), router
 

@@ -135,13 +135,13 @@ def _minibatch_inputs(cfg: ExperimentConfig, model: ModelConfig, mesh_shape: dic
 def _router_outputs(model: ModelConfig, tokens: int) -> MemoryItem:
     """Every sparse layer's router logits kept for the load-balancing loss and statistics, their cotangents, and
     the expert ids, for a chip's `tokens` (`trainer/moe_terms.py`); XLA:TPU lays the [tokens, K] ids with K in the
-    lanes, padded to 128 (Qwen3-30B-A3B: 768 MiB at 48 layers, its compiled gradient program)."""
+    lanes, padded to 128, in `moe.expert_ids_dtype` (Qwen3-30B-A3B: 192 MiB at 48 layers; 768 MiB as int32)."""
     assert model.moe is not None
     layers, experts = len(sparse_layer_ids(model)), model.moe.num_experts
-    ids = -(-model.moe.experts_per_token // LANES) * LANES
+    ids = -(-model.moe.experts_per_token // LANES) * LANES * routing_dtype(model).itemsize
     return MemoryItem(
         f"router logits and ids ({layers} sparse layers)",
-        layers * tokens * (2 * experts + ids) * 4,
+        layers * tokens * (2 * experts * 4 + ids),
         ("trainer.packing.token_budget", "trainer.packing.rows"),
     )
 
