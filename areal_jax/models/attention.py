@@ -210,8 +210,8 @@ def xla_paged_decode_attention(
     def one_block(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array]):
         max_BxKxG, sum_BxKxG, out_BxKxGxH = carry
         pages_BxC, first = xs
-        kv_BxTxKx2xH = kv_pages.at[pages_BxC].get(mode="promise_in_bounds").reshape(b, tokens, k_heads, 2, h)
-        k_BxTxKxH, v_BxTxKxH = kv_BxTxKx2xH[:, :, :, 0], kv_BxTxKx2xH[:, :, :, 1]
+        kv_BxTxCxH = kv_pages.at[pages_BxC].get(mode="promise_in_bounds").reshape(b, tokens, combined, h)
+        k_BxTxKxH, v_BxTxKxH = kv_BxTxCxH[:, :, 0::2], kv_BxTxCxH[:, :, 1::2]
         scores_BxKxGxT = jnp.einsum("bkgh,btkh->bkgt", q_BxKxGxH, k_BxTxKxH, preferred_element_type=jnp.float32) * (
             h**-0.5
         )
