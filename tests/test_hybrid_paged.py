@@ -132,8 +132,8 @@ def test_sharded_paged_generation_equals_single_device_dense(versions):
     paged, _, _ = _run(model, config, jobs, mesh=mesh)
     _assert_same(dense, paged, rounding=True)
     cache = Engine(model, config, mesh=mesh).init_decode_state().cache
-    assert isinstance(cache, PagedHybridCache) and len(cache.kv.pools) == 2  # the 2 full layers' pools only
-    assert cache.kv.pools[0].sharding.spec[2] == "tensor"
+    assert isinstance(cache, PagedHybridCache) and len(cache.kv.k) == 2  # the 2 full layers' pools only
+    assert cache.kv.k[0].sharding.spec[0] == "tensor"
     assert cache.state[0].sharding.spec[:2] == (("data", "fsdp"), "tensor")
 
 
@@ -199,7 +199,7 @@ def test_the_memory_plan_counts_the_full_layers_pool_and_each_slots_states():
     def size(tree) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
-    assert lines["KV cache"] == size(cache.kv.pools) > 0
+    assert lines["KV cache"] == size((cache.kv.k, cache.kv.v)) > 0
     assert lines["recurrent states"] == size((cache.state, cache.window)) > 0
     dense_lines, _ = _plan_lines(HYBRID)
     assert lines["recurrent states"] == dense_lines["recurrent states"]
@@ -228,11 +228,11 @@ def test_a_paged_hybrid_engine_compiles_for_a_tpu_slice():
     engine = EngineOnMesh(cfg, cfg.model, make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4"))))
     programs = {p.name.split(" ")[0]: p for p in engine.compile()}
     assert set(programs) == {"prefill", "insert", "decode"}
-    assert "ragged_paged_attention_kernel" in programs["decode"].kernels, programs["decode"].kernels
+    assert "paged_attention" in programs["decode"].kernels, programs["decode"].kernels
     cache = engine.decode_state.cache
-    assert isinstance(cache, PagedHybridCache) and len(cache.kv.pools) == 1  # one full layer: one pool
+    assert isinstance(cache, PagedHybridCache) and len(cache.kv.k) == 1  # one full layer: one pool of each
     resident = dict(engine.resident_lines())
     states = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((cache.state, cache.window)))
     assert resident["recurrent states"] == states // 4 > 0
-    assert resident["KV cache"] >= sum(a.size * a.dtype.itemsize for a in cache.kv.pools)
+    assert resident["KV cache"] >= sum(a.size * a.dtype.itemsize for a in (*cache.kv.k, *cache.kv.v))
     assert programs["decode"].aliased >= resident["KV cache"] + resident["recurrent states"]

@@ -196,7 +196,7 @@ def test_paged_engine_compiles_with_the_tpu_kernel_per_shard():
     )
     programs = {p.name.split(" ")[0]: p for p in engine.compile()}
     assert set(programs) == {"prefill", "insert", "decode"}
-    assert "ragged_paged_attention_kernel" in programs["decode"].kernels, programs["decode"].kernels
+    assert "paged_attention" in programs["decode"].kernels, programs["decode"].kernels
     assert not programs["prefill"].kernels
     resident = dict(engine.resident_lines())
     pool = cfg.rollout.engine.pool_pages * cfg.rollout.engine.page_size * 128 * 4  # f32 K or V, 1 KV head

@@ -1,10 +1,9 @@
 """The paged KV cache: fixed-size pages in one pool per layer, a page table per slot, and the host-side
 allocator that hands pages out as sequences grow.
 
-Layout. Per layer, one pool [P, page, 2K, H] (P pages of `page` tokens) holding each KV head's key and value
-side by side (combined head 2k the key of head k, 2k + 1 its value): the layout of JAX's TPU
-`ragged_paged_attention` kernel, which then reads the pool as it is; the reference attention
-(`attention.xla_paged_decode_attention`) gathers a block of pages at a time from it. The page table [S, M]
+Layout. Per layer, keys and values are each a pool [K, P, page, H] (P pages of `page` tokens): the layout
+of JAX's TPU `paged_attention` kernel, which then reads the pools as they are; the reference attention
+(`attention.paged_decode_attention`) gathers a block of pages at a time from it. The page table [S, M]
 (M = pages a slot of `max_length` tokens needs) maps a slot's j-th page to a pool page, with `P` (past
 the pool) marking "no page": a write there is dropped and a read is clamped and masked. The table and
 the pools live in the decode state on the device.
@@ -27,22 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.paged_decode import combine_heads
 
-# Logical axes of a page pool [P, page, 2K, H]: only the KV heads are split (over `tensor`, like the attention
-# weights). Its spec is taken for the K heads (`pool_axes_shape`), so a shard holds whole heads' keys and values.
-PAGE_POOL_AXES = (None, None, "kv_heads", "head_dim")
-
-
-def pool_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
-    """A layer's page pool: [P, page, 2K, H], each KV head's key then its value."""
-    return num_pages, page_size, 2 * cfg.num_kv_heads, cfg.resolved_head_dim
-
-
-def pool_axes_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
-    """The shape a pool's `PAGE_POOL_AXES` spec is taken for: its heads axis counted in KV heads, so the tensor
-    axis splits it only where it divides the heads (never a head's key from its value)."""
-    return num_pages, page_size, cfg.num_kv_heads, cfg.resolved_head_dim
+# Logical axes of a page pool: only the KV heads are split (over `tensor`, like the attention weights).
+PAGE_POOL_AXES = ("kv_heads", None, None, "head_dim")
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -179,10 +165,11 @@ class PrefixEntries:
 
 @flax.struct.dataclass
 class PagedKVCache:
-    """Every layer's page pool, pools[y] [P, page, 2K, H] (`combine_heads`), and the page table [S, M] (entry P: no
-    page)."""
+    """Every layer's key and value page pools, k[y] and v[y] [K, P, page, H], and the page table [S, M]
+    (entry P: no page)."""
 
-    pools: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     page_table: jax.Array
 
     @classmethod
@@ -190,25 +177,27 @@ class PagedKVCache:
         cls, cfg: ModelConfig, slots: int, num_pages: int, page_size: int, max_pages: int, layers: int | None = None
     ) -> PagedKVCache:
         """Empty pools for `layers` layers (None: every layer of `cfg`; a hybrid model's full layers only)."""
-        shape = pool_shape(cfg, num_pages, page_size)
+        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.resolved_head_dim)
+        dtype = cfg.compute_jnp_dtype
         layers = cfg.num_layers if layers is None else layers
         return cls(
-            pools=tuple(jnp.zeros(shape, cfg.compute_jnp_dtype) for _ in range(layers)),
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
             page_table=jnp.full((slots, max_pages), num_pages, jnp.int32),
         )
 
     @property
     def num_pages(self) -> int:
-        return self.pools[0].shape[0]
+        return self.k[0].shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.pools[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def pool_bytes(self) -> int:
         """Bytes of all the page pools (the page table not included)."""
-        return sum(a.nbytes for a in self.pools)
+        return sum(a.nbytes for a in (*self.k, *self.v))
 
     def insert(self, prefix: PrefixEntries, slots_B: jax.Array, pages_BxW: jax.Array) -> PagedKVCache:
         """This cache with prefix row b in slot slots_B[b]: its table row set to pages_BxW[b] (then no
@@ -220,16 +209,20 @@ class PagedKVCache:
         table = self.page_table.at[slots_B].set(rows_BxM, mode="drop")
         pad = w * page - prefix.length
 
-        def put(pool: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array) -> jax.Array:
-            entries_BxTxCxH = combine_heads(k_BxTxKxH, v_BxTxKxH)
+        def pages_of(entries_BxTxKxH: jax.Array) -> jax.Array:
             if pad > 0:
-                entries_BxTxCxH = jnp.pad(entries_BxTxCxH, ((0, 0), (0, pad), (0, 0), (0, 0)))
-            cut = entries_BxTxCxH[:, : w * page]
-            pages_BxWxPagexCxH = cut.reshape(b, w, page, *cut.shape[2:])
-            return pool.at[pages_BxW].set(pages_BxWxPagexCxH.astype(pool.dtype), mode="drop")
+                entries_BxTxKxH = jnp.pad(entries_BxTxKxH, ((0, 0), (0, pad), (0, 0), (0, 0)))
+            cut = entries_BxTxKxH[:, : w * page]
+            return cut.reshape(b, w, page, *cut.shape[2:]).transpose(3, 0, 1, 2, 4)  # [K, B, W, page, H]
 
+        def put(pool: jax.Array, entries: jax.Array) -> jax.Array:
+            return pool.at[:, pages_BxW].set(pages_of(entries).astype(pool.dtype), mode="drop")
+
+        layers = range(len(self.k))
         return PagedKVCache(
-            pools=tuple(put(pool, prefix.k[y], prefix.v[y]) for y, pool in enumerate(self.pools)), page_table=table
+            k=tuple(put(self.k[y], prefix.k[y]) for y in layers),
+            v=tuple(put(self.v[y], prefix.v[y]) for y in layers),
+            page_table=table,
         )
 
     def update_table(self, updates_3xS: jax.Array) -> PagedKVCache:

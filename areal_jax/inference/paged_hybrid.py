@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.inference.engine_config import EngineConfig
-from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PrefixEntries, pool_axes_shape
+from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PrefixEntries
 from areal_jax.inference.slot_cache import recurrent_shardings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
@@ -142,25 +142,25 @@ def paged_decode(
     if isinstance(cache, PagedHybridCache):
         assert isinstance(model, HybridDecoder)  # a hybrid model's cache
         kv = cache.kv
-        logits_BxV, pools, recurrent, routing = model.decode_step_paged_recurrent(
-            tokens_B, positions_B, kv.pools, kv.page_table, attend_pages, cache.recurrent, layer_states
+        logits_BxV, k, v, recurrent, routing = model.decode_step_paged_recurrent(
+            tokens_B, positions_B, kv.k, kv.v, kv.page_table, attend_pages, cache.recurrent, layer_states
         )
-        moved = dataclasses.replace(kv, pools=pools)
+        moved = dataclasses.replace(kv, k=k, v=v)
         return logits_BxV, PagedHybridCache(kv=moved, state=recurrent.state, window=recurrent.window), routing
-    logits_BxV, pools, routing = model.decode_step_paged_routed(
-        tokens_B, positions_B, cache.pools, cache.page_table, attend_pages, layer_states
+    logits_BxV, k, v, routing = model.decode_step_paged_routed(
+        tokens_B, positions_B, cache.k, cache.v, cache.page_table, attend_pages, layer_states
     )
-    return logits_BxV, dataclasses.replace(cache, pools=pools), routing
+    return logits_BxV, dataclasses.replace(cache, k=k, v=v), routing
 
 
 def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh) -> PagedCache:
     """Where a paged cache's arrays live on `mesh`: the pools split over KV heads like the attention weights
     (replicated along the other axes: any slot may hold any page), the page table replicated; a hybrid model's
     states and windows as the dense cache's (`slot_cache.recurrent_shardings`)."""
-    shape = pool_axes_shape(model, config.pool_pages, config.page_size)
+    shape = (model.num_kv_heads, config.pool_pages, config.page_size, model.resolved_head_dim)
     pool = NamedSharding(mesh, logical_to_spec(PAGE_POOL_AXES, shape, mesh))
     # a pytree of shardings, shaped like a PagedKVCache: one sharding for every layer's pool
-    kv: Any = PagedKVCache(pools=pool, page_table=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]
+    kv: Any = PagedKVCache(k=pool, v=pool, page_table=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]
     if model.hybrid is None:
         return kv
     recurrent = recurrent_shardings(model, config.max_slots, mesh)

@@ -16,9 +16,7 @@ plain JAX (gathering a block of pages at a time).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -189,18 +187,16 @@ def pages_per_block(page_size: int, attend_pages: int) -> int:
 
 
 def xla_paged_decode_attention(
-    q_Bx1xNxH: jax.Array, kv_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
+    q_Bx1xNxH: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
 ) -> jax.Array:
     """One query token per row attending to its row's cache positions [0, positions_B] held in the pages
-    `pages_BxM` lists (in sequence order; every entry a valid pool index) of the pool [P, page, 2K, H] (each KV
-    head's key, then its value: `paged_decode.combine_heads`).
+    `pages_BxM` lists (in sequence order; every entry a valid pool index) of the pools k/v [K, P, page, H].
 
     A `lax.scan` over blocks of pages with a running (online) softmax: each block's pages are gathered
-    into a small [B, block * page, 2K, H] copy, never the whole attended cache. M must be a multiple of
+    into a small [K, B, block * page, H] copy, never the whole attended cache. M must be a multiple of
     the block (`pages_per_block`)."""
     b, _, n, h = q_Bx1xNxH.shape
-    _, page, combined, _ = kv_pages.shape
-    k_heads = combined // 2
+    k_heads, _, page, _ = k_pages.shape
     g, m = n // k_heads, pages_BxM.shape[1]
     block = pages_per_block(page, m)
     tokens = block * page
@@ -210,9 +206,9 @@ def xla_paged_decode_attention(
     def one_block(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array]):
         max_BxKxG, sum_BxKxG, out_BxKxGxH = carry
         pages_BxC, first = xs
-        kv_BxTxCxH = kv_pages.at[pages_BxC].get(mode="promise_in_bounds").reshape(b, tokens, combined, h)
-        k_BxTxKxH, v_BxTxKxH = kv_BxTxCxH[:, :, 0::2], kv_BxTxCxH[:, :, 1::2]
-        scores_BxKxGxT = jnp.einsum("bkgh,btkh->bkgt", q_BxKxGxH, k_BxTxKxH, preferred_element_type=jnp.float32) * (
+        k_KxBxTxH = k_pages.at[:, pages_BxC].get(mode="promise_in_bounds").reshape(k_heads, b, tokens, h)
+        v_KxBxTxH = v_pages.at[:, pages_BxC].get(mode="promise_in_bounds").reshape(k_heads, b, tokens, h)
+        scores_BxKxGxT = jnp.einsum("bkgh,kbth->bkgt", q_BxKxGxH, k_KxBxTxH, preferred_element_type=jnp.float32) * (
             h**-0.5
         )
         valid_BxT = (first + jnp.arange(tokens))[None, :] <= positions_B[:, None]
@@ -222,7 +218,7 @@ def xla_paged_decode_attention(
         rescale = jnp.exp(max_BxKxG - new_max)
         sum_BxKxG = sum_BxKxG * rescale + weights_BxKxGxT.sum(axis=-1)
         out_BxKxGxH = out_BxKxGxH * rescale[..., None] + jnp.einsum(
-            "bkgt,btkh->bkgh", weights_BxKxGxT.astype(v_BxTxKxH.dtype), v_BxTxKxH, preferred_element_type=jnp.float32
+            "bkgt,kbth->bkgh", weights_BxKxGxT.astype(v_KxBxTxH.dtype), v_KxBxTxH, preferred_element_type=jnp.float32
         )
         return (new_max, sum_BxKxG, out_BxKxGxH), None
 
@@ -237,113 +233,67 @@ def xla_paged_decode_attention(
     return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
 
 
-# The ragged kernel's blocks: queries per block (one token per slot in a decode step) and the VMEM it may use.
-RAGGED_QUERIES_PER_BLOCK = 32
-RAGGED_VMEM_LIMIT_BYTES = 64 * 2**20
-
-
-def tpu_paged_kernel_applies(query_heads: int, combined_heads: int, head_dim: int, dtype: jnp.dtype) -> bool:
-    """Whether JAX's TPU ragged paged attention kernel takes these shapes (a device's share of the heads) in the
-    program being built: for TPU devices only (the mesh's, `mesh_platform`), head dims a multiple of 128, and a
-    pool whose combined heads the kernel can tile (its `get_min_heads_per_blk` refuses the others)."""
-    if mesh_platform() != "tpu" or head_dim % 128:
-        return False
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
-
-    try:
-        get_min_heads_per_blk(query_heads, combined_heads, dtype, dtype)
-    except ValueError:
-        return False
-    return True
-
-
-def ragged_decode_args(
-    q_BxNxH: jax.Array, kv_pages: jax.Array, positions_B: jax.Array, pages_BxM: jax.Array
-) -> tuple[jax.Array, ...]:
-    """The ragged paged attention kernel's arguments for a decode step: every slot a sequence of one query token
-    (`q_BxNxH`, at `positions_B`) over its cached tokens up to and including it, in the pages `pages_BxM` lists
-    (valid pool indices)."""
-    slots = q_BxNxH.shape[0]
-    lengths_B = (positions_B + 1).astype(jnp.int32)
-    cumulative_query_lengths = jnp.arange(slots + 1, dtype=jnp.int32)
-    return q_BxNxH, kv_pages, lengths_B, pages_BxM, cumulative_query_lengths, jnp.array([slots], jnp.int32)
+def tpu_paged_kernel_applies(head_dim: int, page_size: int) -> bool:
+    """Whether JAX's TPU paged attention kernel takes these shapes in the program being built: for TPU devices
+    only (the mesh's, `mesh_platform`), head dims a multiple of 128 and pages a multiple of 8 tokens (its block
+    tiling)."""
+    return mesh_platform() == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0
 
 
 def tpu_paged_decode_attention(
-    q_Bx1xNxH: jax.Array, kv_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
+    q_Bx1xNxH: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
 ) -> jax.Array:
-    """`xla_paged_decode_attention` by JAX's Pallas TPU kernel (`ragged_paged_attention`): each slot one query
-    token over its `positions_B + 1` cached tokens, the pool read in its layout. Its block sizes are given, since
-    its tuning table reads the local device (the CPU when compiling ahead of time). Not run here (no TPU; the kernel
-    fails in interpret mode in jax 0.10.2): its own reference, `ref_ragged_paged_attention`, is what the tests
-    check our inputs against."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+    """`xla_paged_decode_attention` by JAX's Pallas TPU kernel (`paged_attention`), which takes the pools in
+    their layout. Not tested here (no TPU): the reference is what the tests check."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     b, _, n, h = q_Bx1xNxH.shape
+    q_BxNxH = (q_Bx1xNxH[:, 0] * (h**-0.5)).astype(k_pages.dtype)
     m = pages_BxM.shape[1]
 
-    def kernel(q_BxNxH: jax.Array, kv: jax.Array, positions: jax.Array, pages: jax.Array) -> jax.Array:
-        return ragged_paged_attention(
-            *ragged_decode_args(q_BxNxH, kv, positions, pages),
-            sm_scale=h**-0.5,
-            num_kv_pages_per_block=pages_per_block(kv.shape[1], m),
-            num_queries_per_block=min(RAGGED_QUERIES_PER_BLOCK, q_BxNxH.shape[0]),
-            vmem_limit_bytes=RAGGED_VMEM_LIMIT_BYTES,
-        )
+    def kernel(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, pages: jax.Array) -> jax.Array:
+        return paged_attention(q, k, v, lengths, pages, pages_per_compute_block=pages_per_block(k.shape[2], m))
 
-    q_BxNxH = q_Bx1xNxH[:, 0].astype(kv_pages.dtype)
-    out_BxNxH = _on_mesh_shards(kernel, q_BxNxH, kv_pages, positions_B, pages_BxM)
+    lengths_B = (positions_B + 1).astype(jnp.int32)
+    out_BxNxH = _on_mesh_shards(kernel, q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
     return out_BxNxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
 
 
 def _on_mesh_shards(
     kernel: Callable[..., jax.Array],
     q_BxNxH: jax.Array,
-    kv_pages: jax.Array,
-    positions_B: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    lengths_B: jax.Array,
     pages_BxM: jax.Array,
 ) -> jax.Array:
     """`kernel` per shard of the mesh of `jax.set_mesh` (XLA cannot partition a Pallas kernel): slots split
-    like the decode state's, heads like the pool's (query heads with their KV heads), the pool whole along the
+    like the decode state's, heads like the pools' (query heads with their KV heads), pools whole along the
     slot axes (any slot may hold any page). Without a mesh of several devices, `kernel` as it is."""
     from areal_jax.sharding import logical_to_spec
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return kernel(q_BxNxH, kv_pages, positions_B, pages_BxM)
+        return kernel(q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
     P = jax.sharding.PartitionSpec
-    heads = _pool_heads_spec(kv_pages.shape[2] // 2, mesh)
+    heads = logical_to_spec(("kv_heads",), k_pages.shape[:1], mesh)[0]
     slots = logical_to_spec(("slots",), q_BxNxH.shape[:1], mesh)[0]
+    pool = P(heads, None, None, None)
     return jax.shard_map(
         kernel,
-        in_specs=(P(slots, heads, None), P(None, None, heads, None), P(slots), P(slots, None)),
+        in_specs=(P(slots, heads, None), pool, pool, P(slots), P(slots, None)),
         out_specs=P(slots, heads, None),
         check_vma=False,
-    )(q_BxNxH, kv_pages, positions_B, pages_BxM)
-
-
-def _pool_heads_spec(kv_heads: int, mesh: Any) -> Any:
-    """The mesh axes a pool's heads split over: those of `kv_heads` KV heads (a head's key and value together)."""
-    from areal_jax.sharding import logical_to_spec
-
-    return logical_to_spec(("kv_heads",), (kv_heads,), mesh)[0]
+    )(q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
 
 
 def paged_decode_attention(
-    q_Bx1xNxH: jax.Array, kv_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
+    q_Bx1xNxH: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
 ) -> jax.Array:
-    """The paged decode attention: the TPU kernel where `tpu_paged_kernel_applies` to a device's share of the
-    heads, else the reference."""
-    mesh = jax.sharding.get_abstract_mesh()
-    shards = 1
-    if not mesh.empty:
-        spec = _pool_heads_spec(kv_pages.shape[2] // 2, mesh)
-        axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-        shards = math.prod(mesh.shape[a] for a in axes)
-    n, combined, h = q_Bx1xNxH.shape[2], kv_pages.shape[2], kv_pages.shape[3]
-    if tpu_paged_kernel_applies(n // shards, combined // shards, h, kv_pages.dtype):
-        return tpu_paged_decode_attention(q_Bx1xNxH, kv_pages, pages_BxM, positions_B)
-    return xla_paged_decode_attention(q_Bx1xNxH, kv_pages, pages_BxM, positions_B)
+    """The paged decode attention: the TPU kernel where `tpu_paged_kernel_applies`, else the reference."""
+    if tpu_paged_kernel_applies(k_pages.shape[3], k_pages.shape[2]):
+        return tpu_paged_decode_attention(q_Bx1xNxH, k_pages, v_pages, pages_BxM, positions_B)
+    return xla_paged_decode_attention(q_Bx1xNxH, k_pages, v_pages, pages_BxM, positions_B)
 
 
 ATTENTION_IMPLS: dict[str, AttentionFn] = {"auto": auto_attention, "xla": xla_attention, "splash": splash_attention}

@@ -488,16 +488,17 @@ class HybridDecoder(Decoder):
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
-        kv_pages: Sequence[jax.Array],
+        k_pages: Sequence[jax.Array],
+        v_pages: Sequence[jax.Array],
         page_table_BxM: jax.Array,
         attend_pages: int,
         recurrent: HybridCache,
         layer_states: Sequence[nnx.State] | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, ...], HybridCache, jax.Array | None]:
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], HybridCache, jax.Array | None]:
         """One token per slot over the full layers' page pools and each slot's states and windows: logits, the
         pools, the recurrent part and the experts (`hybrid_serving.decode_step_paged`)."""
         return hybrid_serving.decode_step_paged(
-            self, tokens_B, positions_B, kv_pages, page_table_BxM, attend_pages, recurrent, layer_states
+            self, tokens_B, positions_B, k_pages, v_pages, page_table_BxM, attend_pages, recurrent, layer_states
         )
 
 

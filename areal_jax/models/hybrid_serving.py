@@ -318,22 +318,23 @@ def decode_step_paged(
     model: HybridModel,
     tokens_B: jax.Array,
     positions_B: jax.Array,
-    kv_pages: Sequence[jax.Array],
+    k_pages: Sequence[jax.Array],
+    v_pages: Sequence[jax.Array],
     page_table_BxM: jax.Array,
     attend_pages: int,
     recurrent: HybridCache,
     layer_states: Sequence[nnx.State] | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, ...], HybridCache, jax.Array | None]:
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], HybridCache, jax.Array | None]:
     """`decode_step_routed` with the full layers' keys and values in pages (the `Decoder`'s paged step for each:
-    `PagedDecodeStep`; a pool [P, page, 2K, H] per full layer, the page table [B, M], `attend_pages` static and
+    `PagedDecodeStep`; pools k/v [K, P, page, H] per full layer, the page table [B, M], `attend_pages` static and
     covering every position) and each slot's state and window in `recurrent` (kv None). Returns fp32 logits
     [B, V], the pools, the recurrent part moved on and each fed token's experts [B, Y, K] (None when dense)."""
-    step = PagedDecodeStep.plan(page_table_BxM, positions_B, kv_pages[0].shape[0], kv_pages[0].shape[1], attend_pages)
-    pools = list(kv_pages)
+    step = PagedDecodeStep.plan(page_table_BxM, positions_B, k_pages[0].shape[1], k_pages[0].shape[2], attend_pages)
+    keys, values = list(k_pages), list(v_pages)
 
     def paged_attention(y: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        out, pools[y] = step.write_and_attend(q, k, v, pools[y])
+        out, keys[y], values[y] = step.write_and_attend(q, k, v, keys[y], values[y])
         return out
 
     logits_BxV, moved, experts = _decode_layers(model, tokens_B, positions_B, recurrent, layer_states, paged_attention)
-    return logits_BxV, tuple(pools), moved, experts
+    return logits_BxV, tuple(keys), tuple(values), moved, experts

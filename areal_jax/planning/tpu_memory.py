@@ -37,7 +37,7 @@ from flax import nnx
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import EngineConfig
-from areal_jax.inference.paged import PAGE_POOL_AXES, pool_axes_shape
+from areal_jax.inference.paged import PAGE_POOL_AXES
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, segment_ends
 from areal_jax.models.hybrid import new_decoder
@@ -182,10 +182,8 @@ def inference_items(
         items.append(MemoryItem("per-layer weight copies", copies, ("rollout.engine.decode_layer_copies",)))
     h, y = model.resolved_head_dim, model.num_layers
     if engine.paged:
-        pages, page, heads, _ = shard_shape(
-            pool_axes_shape(model, engine.pool_pages, engine.page_size), PAGE_POOL_AXES, mesh_shape
-        )
-        kv = y * tiled_elements((pages, page, 2 * heads, h), PLATFORM) * c  # each head's key and value side by side
+        pool = shard_shape((model.num_kv_heads, engine.pool_pages, engine.page_size, h), PAGE_POOL_AXES, mesh_shape)
+        kv = y * 2 * tiled_elements(pool, PLATFORM) * c
         kv_name = f"KV cache (paged: {engine.pool_pages} pages of {engine.page_size})"
         kv_keys = ("rollout.engine.num_pages", "rollout.engine.page_size", "rollout.engine.max_length")
         segments = 1
