@@ -132,8 +132,8 @@ def test_sharded_paged_generation_equals_single_device_dense(versions):
     paged, _, _ = _run(model, config, jobs, mesh=mesh)
     _assert_same(dense, paged, rounding=True)
     cache = Engine(model, config, mesh=mesh).init_decode_state().cache
-    assert isinstance(cache, PagedHybridCache) and len(cache.kv.k) == 2  # the 2 full layers' pools only
-    assert cache.kv.k[0].sharding.spec[0] == "tensor"
+    assert isinstance(cache, PagedHybridCache) and len(cache.kv.pools) == 2  # the 2 full layers' pools only
+    assert cache.kv.pools[0].k.sharding.spec[0] == "tensor"  # split layout off TPU
     assert cache.state[0].sharding.spec[:2] == (("data", "fsdp"), "tensor")
 
 
@@ -194,12 +194,12 @@ def test_the_memory_plan_counts_the_full_layers_pool_and_each_slots_states():
     twice the full layers, twice the pool) and the states line is the dense engine's, whatever the pool."""
     paged = [*HYBRID, "rollout.engine.kv_cache=paged", "rollout.engine.page_size=8"]
     lines, cfg = _plan_lines(paged)
-    cache = jax.eval_shape(lambda: PagedHybridCache.zeros(cfg.model, cfg.rollout.engine))
+    cache = jax.eval_shape(lambda: PagedHybridCache.zeros(cfg.model, cfg.rollout.engine, combined=False))
 
     def size(tree) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
 
-    assert lines["KV cache"] == size((cache.kv.k, cache.kv.v)) > 0
+    assert lines["KV cache"] == size(cache.kv.pools) > 0
     assert lines["recurrent states"] == size((cache.state, cache.window)) > 0
     dense_lines, _ = _plan_lines(HYBRID)
     assert lines["recurrent states"] == dense_lines["recurrent states"]
@@ -214,7 +214,8 @@ def test_the_memory_plan_counts_the_full_layers_pool_and_each_slots_states():
 
 def test_a_paged_hybrid_engine_compiles_for_a_tpu_slice():
     """`areal-jax compile`'s engine programs for 4 v5e chips at test_hybrid_compile.py's tiny shape (head dim 128),
-    paged: the decode step calls JAX's Pallas paged attention kernel for the full layer, the recurrent states are a
+    paged: the decode step calls JAX's Pallas ragged paged attention kernel for the full layer (head dim 128: the
+    combined layout), the recurrent states are a
     resident line of their own (a quarter of the 64 slots' per chip) beside the full layer's pools (whole on every
     chip: split over KV heads only), and the step updates both in place (donated)."""
     pytest.importorskip("libtpu")
@@ -228,11 +229,11 @@ def test_a_paged_hybrid_engine_compiles_for_a_tpu_slice():
     engine = EngineOnMesh(cfg, cfg.model, make_mesh(MeshConfig(data=1, fsdp=4, tensor=1), list(slice_devices("v5e-4"))))
     programs = {p.name.split(" ")[0]: p for p in engine.compile()}
     assert set(programs) == {"prefill", "insert", "decode"}
-    assert "paged_attention" in programs["decode"].kernels, programs["decode"].kernels
+    assert "ragged_paged_attention_kernel" in programs["decode"].kernels, programs["decode"].kernels
     cache = engine.decode_state.cache
-    assert isinstance(cache, PagedHybridCache) and len(cache.kv.k) == 1  # one full layer: one pool of each
+    assert isinstance(cache, PagedHybridCache) and len(cache.kv.pools) == 1  # one full layer: one pool
     resident = dict(engine.resident_lines())
     states = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((cache.state, cache.window)))
     assert resident["recurrent states"] == states // 4 > 0
-    assert resident["KV cache"] >= sum(a.size * a.dtype.itemsize for a in (*cache.kv.k, *cache.kv.v))
+    assert resident["KV cache"] >= sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache.kv.pools))
     assert programs["decode"].aliased >= resident["KV cache"] + resident["recurrent states"]

@@ -15,7 +15,9 @@ from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.generator import Generator
 from areal_jax.inference.paged import PageAllocator, PagedSlots
 from areal_jax.inference.sampling import SamplingParams
-from areal_jax.models.attention import masked_attention, xla_paged_decode_attention
+from areal_jax.models.attention import masked_attention
+from areal_jax.models.page_pool import SplitPages
+from areal_jax.models.paged_attention import xla_paged_decode_attention
 from areal_jax.sharding import MeshConfig, make_mesh
 from tests.conftest import CompileCounter
 from tests.engine_fixtures import TINY, tiny_model
@@ -125,7 +127,8 @@ def test_reference_paged_attention_equals_masked_attention_over_the_gathered_pag
     q = rng.standard_normal((b, 1, k_heads * g, h)).astype(np.float32)
     positions = np.array([0, 37, 79], np.int32)
     padded = np.pad(table, ((0, 0), (0, 3)))  # blocks of 4 pages: padded to 8, as the decoder does
-    got = jax.jit(xla_paged_decode_attention)(q, k_pages, v_pages, padded, positions)
+    pool = SplitPages(k=jnp.asarray(k_pages), v=jnp.asarray(v_pages))
+    got = jax.jit(xla_paged_decode_attention)(q, pool, padded, positions)
     keys = k_pages[:, table[:, :attend]].reshape(k_heads, b, attend * page, h).transpose(1, 2, 0, 3)
     values = v_pages[:, table[:, :attend]].reshape(k_heads, b, attend * page, h).transpose(1, 2, 0, 3)
     mask = (np.arange(attend * page)[None, :] <= positions[:, None])[:, None, :]
@@ -199,7 +202,7 @@ def test_64_slots_at_32k_tokens_hold_only_the_pages_in_use(model):
     engine = Engine(model, config)
     cache = engine.init_decode_state().cache
     per_token = 2 * TINY.num_layers * TINY.num_kv_heads * TINY.resolved_head_dim * 4  # k and v, fp32
-    assert cache.pool_bytes == sum(a.nbytes for a in (*cache.k, *cache.v)) == pool * page * per_token
+    assert cache.pool_bytes == sum(a.nbytes for a in jax.tree.leaves(cache.pools)) == pool * page * per_token
     assert cache.page_table.shape == (64, pool)
     dense_bytes = 64 * 32768 * per_token
     assert cache.pool_bytes * 64 == dense_bytes
@@ -220,7 +223,7 @@ def test_sharded_paged_generation_equals_single_device_dense(model):
     dense, _, _ = _run(model, EngineConfig(max_slots=4, max_length=64), requests)
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     engine = Engine(model, EngineConfig(max_slots=4, max_length=64, kv_cache="paged", page_size=8), mesh=mesh)
-    pool = engine.init_decode_state().cache.k[0]
+    pool = engine.init_decode_state().cache.pools[0].k  # split off TPU
     assert pool.sharding.spec[0] == "tensor" and pool.addressable_shards[0].data.shape[0] == 1
     with Generator(engine, engine.load_params(nnx.state(model), 0)) as gen:
         futures = [gen.submit(p, s) for p, s in requests]

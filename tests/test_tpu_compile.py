@@ -5,6 +5,7 @@ names, real FSDP in the compiled gradient program, the engine's programs with th
 import json
 from pathlib import Path
 
+import jax
 import pytest
 
 from areal_jax.cli import main
@@ -187,21 +188,41 @@ def _engine_on_v5e_4(*overrides: str) -> tuple[ExperimentConfig, EngineOnMesh]:
     return cfg, EngineOnMesh(cfg, cfg.model, mesh)
 
 
-def test_paged_engine_compiles_with_the_tpu_kernel_per_shard():
-    """The paged engine on 4 v5e chips: its decode step calls JAX's Pallas paged attention kernel (the mesh's
-    platform picks it, though this machine's backend is the CPU), once per shard of the slots; the decode
-    state is donated, so the step's new cache reuses the old one's buffers."""
+@pytest.mark.parametrize(
+    ("layout", "kernel", "pools"),
+    [("auto", "ragged_paged_attention_kernel", 1), ("split", "paged_attention", 2)],
+    ids=["auto-ragged", "split-paged"],
+)
+def test_paged_engine_compiles_with_the_tpu_kernel_per_shard(layout, kernel, pools):
+    """The paged engine on 4 v5e chips: its decode step calls the Pallas kernel of its pools' layout (auto at head
+    dim 128: the combined layout and JAX's ragged paged attention; split: `paged_attention`; the mesh's platform
+    picks them, though this machine's backend is the CPU), once per shard of the slots; the decode state is
+    donated, so the step's new cache reuses the old one's buffers."""
     cfg, engine = _engine_on_v5e_4(
-        "rollout.engine.kv_cache=paged", "rollout.engine.max_slots=8", "rollout.engine.max_length=64"
+        "rollout.engine.kv_cache=paged",
+        "rollout.engine.max_slots=8",
+        "rollout.engine.max_length=64",
+        f"rollout.engine.page_layout={layout}",
     )
     programs = {p.name.split(" ")[0]: p for p in engine.compile()}
     assert set(programs) == {"prefill", "insert", "decode"}
-    assert "paged_attention" in programs["decode"].kernels, programs["decode"].kernels
+    assert kernel in programs["decode"].kernels, programs["decode"].kernels
     assert not programs["prefill"].kernels
+    assert len(jax.tree.leaves(engine.decode_state.cache.pools[0])) == pools
     resident = dict(engine.resident_lines())
     pool = cfg.rollout.engine.pool_pages * cfg.rollout.engine.page_size * 128 * 4  # f32 K or V, 1 KV head
     assert resident["KV cache"] >= 2 * cfg.model.num_layers * pool  # pools whole on every chip
     assert programs["decode"].aliased >= resident["KV cache"]
+
+
+def test_a_combined_layout_the_ragged_kernel_cannot_take_is_refused_naming_the_key(capsys):
+    """Head dim 64 (the tiny shape's) with `page_layout: combined` on a TPU slice: exit 2 before compiling, naming
+    rollout.engine.page_layout."""
+    run = [str(ROOT / "configs/train_cpu.yaml"), *TINY, "rollout.engine.kv_cache=paged"]
+    run += ["rollout.engine.page_layout=combined", "--topology", "v5e-4"]
+    assert main(["compile", *run]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "rollout.engine.page_layout" in err and "head dim" in err, err
 
 
 def test_an_insert_writes_each_slot_on_its_chip():

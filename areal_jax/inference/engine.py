@@ -61,6 +61,8 @@ from areal_jax.inference.sampling import SamplingParams, sample_slots
 from areal_jax.inference.slot_cache import SlotCache, cache_shardings, check_cache_layout, empty_cache
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hybrid import HybridDecoder
+from areal_jax.models.page_pool import uses_combined_pages
+from areal_jax.models.paged_attention import kv_head_shards
 from areal_jax.sharding import logical_to_spec, state_shardings
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,8 @@ class Engine:
         self.buckets = config.prefill_buckets()
         platform = (jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]).platform
         self.layer_copies = config.keeps_layer_copies(platform)
+        kv_shards = kv_head_shards(model.config.num_kv_heads, mesh)
+        self.combined_pages = uses_combined_pages(config.page_layout, model.config, platform, kv_shards)
         if platform == "cpu" and self.model_config.compute_dtype == "bfloat16":
             logger.warning(
                 "model.compute_dtype is bfloat16 on CPU: XLA:CPU converts bf16 matmul operands to f32, so every "
@@ -206,7 +210,7 @@ class Engine:
         cfg, s, c = self.model_config, self.config.max_slots, self.config
         cache: SlotCache | PagedCache
         if c.paged:
-            cache = empty_paged_cache(cfg, c)
+            cache = empty_paged_cache(cfg, c, self.combined_pages)
         else:
             cache = empty_cache(cfg, s, c.max_length, first_segment=self.buckets[0])
         return DecodeState(
@@ -355,7 +359,7 @@ class Engine:
             per_slot = NamedSharding(self.mesh, logical_to_spec(("slots",), (slots,), self.mesh))
             keys = NamedSharding(self.mesh, logical_to_spec(("slots", None), (slots, 2), self.mesh))
             if c.paged:
-                cache = paged_cache_shardings(self.model_config, c, self.mesh)
+                cache = paged_cache_shardings(self.model_config, c, self.mesh, self.combined_pages)
             else:
                 cache = cache_shardings(self.model_config, slots, self.config.max_length, self.mesh)
         return DecodeState(

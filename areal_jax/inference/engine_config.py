@@ -41,6 +41,12 @@ class EngineConfig(Config):
         doc="pages in the paged KV cache's pool; null = max_slots x ceil(max_length / page_size), the dense "
         "footprint; at least ceil(max_length / page_size), so one sequence of max_length always fits",
     )
+    page_layout: Literal["auto", "split", "combined"] = option(
+        "auto",
+        doc="the paged pools' layout, each read in place by one of JAX's TPU kernels: split (keys and values each "
+        "[K, P, page, H]: paged_attention) or combined ([P, page, 2K, H]: ragged_paged_attention, head dim 128 "
+        "only); auto: combined on TPU where the ragged kernel takes the pool, else split",
+    )
 
     @property
     def paged(self) -> bool:

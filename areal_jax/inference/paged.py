@@ -1,9 +1,10 @@
 """The paged KV cache: fixed-size pages in one pool per layer, a page table per slot, and the host-side
 allocator that hands pages out as sequences grow.
 
-Layout. Per layer, keys and values are each a pool [K, P, page, H] (P pages of `page` tokens): the layout
-of JAX's TPU `paged_attention` kernel, which then reads the pools as they are; the reference attention
-(`attention.paged_decode_attention`) gathers a block of pages at a time from it. The page table [S, M]
+Layout. Per layer, one pool of P pages of `page` tokens, in the layout a JAX TPU kernel reads as it is
+(`models/page_pool.py`): keys and values each [K, P, page, H] (`paged_attention`'s), or both in one
+[P, page, 2K, H] (`ragged_paged_attention`'s, chosen on TPU at head dim 128); the reference attention
+(`models/paged_attention.py`) gathers a block of pages at a time from either. The page table [S, M]
 (M = pages a slot of `max_length` tokens needs) maps a slot's j-th page to a pool page, with `P` (past
 the pool) marking "no page": a write there is dropped and a read is clamped and masked. The table and
 the pools live in the decode state on the device.
@@ -26,9 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from areal_jax.models.config import ModelConfig
-
-# Logical axes of a page pool: only the KV heads are split (over `tensor`, like the attention weights).
-PAGE_POOL_AXES = ("kv_heads", None, None, "head_dim")
+from areal_jax.models.page_pool import PagePool, empty_pool
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -165,39 +164,43 @@ class PrefixEntries:
 
 @flax.struct.dataclass
 class PagedKVCache:
-    """Every layer's key and value page pools, k[y] and v[y] [K, P, page, H], and the page table [S, M]
-    (entry P: no page)."""
+    """Every layer's page pool, pools[y] (`SplitPages` or `CombinedPages`, all in one layout), and the page table
+    [S, M] (entry P: no page)."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    pools: tuple[PagePool, ...]
     page_table: jax.Array
 
     @classmethod
     def zeros(
-        cls, cfg: ModelConfig, slots: int, num_pages: int, page_size: int, max_pages: int, layers: int | None = None
+        cls,
+        cfg: ModelConfig,
+        slots: int,
+        num_pages: int,
+        page_size: int,
+        max_pages: int,
+        layers: int | None = None,
+        combined: bool = False,
     ) -> PagedKVCache:
-        """Empty pools for `layers` layers (None: every layer of `cfg`; a hybrid model's full layers only)."""
-        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.resolved_head_dim)
-        dtype = cfg.compute_jnp_dtype
+        """Empty pools for `layers` layers (None: every layer of `cfg`; a hybrid model's full layers only), in the
+        combined layout or the split one (`page_pool.uses_combined_pages`)."""
         layers = cfg.num_layers if layers is None else layers
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(layers)),
+            pools=tuple(empty_pool(cfg, num_pages, page_size, combined) for _ in range(layers)),
             page_table=jnp.full((slots, max_pages), num_pages, jnp.int32),
         )
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[1]
+        return self.pools[0].num_pages
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.pools[0].page_size
 
     @property
     def pool_bytes(self) -> int:
         """Bytes of all the page pools (the page table not included)."""
-        return sum(a.nbytes for a in (*self.k, *self.v))
+        return sum(pool.nbytes for pool in self.pools)
 
     def insert(self, prefix: PrefixEntries, slots_B: jax.Array, pages_BxW: jax.Array) -> PagedKVCache:
         """This cache with prefix row b in slot slots_B[b]: its table row set to pages_BxW[b] (then no
@@ -209,21 +212,16 @@ class PagedKVCache:
         table = self.page_table.at[slots_B].set(rows_BxM, mode="drop")
         pad = w * page - prefix.length
 
-        def pages_of(entries_BxTxKxH: jax.Array) -> jax.Array:
+        def pages_of(entries_BxTxKxH: jax.Array) -> jax.Array:  # [B, W, page, K, H]
             if pad > 0:
                 entries_BxTxKxH = jnp.pad(entries_BxTxKxH, ((0, 0), (0, pad), (0, 0), (0, 0)))
             cut = entries_BxTxKxH[:, : w * page]
-            return cut.reshape(b, w, page, *cut.shape[2:]).transpose(3, 0, 1, 2, 4)  # [K, B, W, page, H]
+            return cut.reshape(b, w, page, *cut.shape[2:])
 
-        def put(pool: jax.Array, entries: jax.Array) -> jax.Array:
-            return pool.at[:, pages_BxW].set(pages_of(entries).astype(pool.dtype), mode="drop")
-
-        layers = range(len(self.k))
-        return PagedKVCache(
-            k=tuple(put(self.k[y], prefix.k[y]) for y in layers),
-            v=tuple(put(self.v[y], prefix.v[y]) for y in layers),
-            page_table=table,
+        pools = tuple(
+            pool.put(pages_BxW, pages_of(prefix.k[y]), pages_of(prefix.v[y])) for y, pool in enumerate(self.pools)
         )
+        return PagedKVCache(pools=pools, page_table=table)
 
     def update_table(self, updates_3xS: jax.Array) -> PagedKVCache:
         """Apply `PagedSlots.take_updates`: clear the marked rows, then write each slot's new page."""

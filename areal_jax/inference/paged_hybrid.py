@@ -29,13 +29,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.inference.engine_config import EngineConfig
-from areal_jax.inference.paged import PAGE_POOL_AXES, PagedKVCache, PrefixEntries
+from areal_jax.inference.paged import PagedKVCache, PrefixEntries
 from areal_jax.inference.slot_cache import recurrent_shardings
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hybrid import HybridDecoder
 from areal_jax.models.hybrid_serving import HybridCache
-from areal_jax.sharding import logical_to_spec
+from areal_jax.models.page_pool import pool_sharding
 
 
 @flax.struct.dataclass
@@ -62,11 +62,12 @@ class PagedHybridCache:
     window: tuple[jax.Array, ...]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, config: EngineConfig) -> PagedHybridCache:
+    def zeros(cls, cfg: ModelConfig, config: EngineConfig, combined: bool) -> PagedHybridCache:
         hy = cfg.hybrid
         assert hy is not None  # a qwen3_5 model
         slots, full = config.max_slots, hy.count("full_attention")
-        kv = PagedKVCache.zeros(cfg, slots, config.pool_pages, config.page_size, config.max_pages, layers=full)
+        pages, page, table = config.pool_pages, config.page_size, config.max_pages
+        kv = PagedKVCache.zeros(cfg, slots, pages, page, table, layers=full, combined=combined)
         recurrent = HybridCache.recurrent_zeros(cfg, slots)
         return cls(kv=kv, state=recurrent.state, window=recurrent.window)
 
@@ -99,11 +100,13 @@ PagedPrefix = PrefixEntries | HybridPrefixEntries
 PAGED_CACHES = (PagedKVCache, PagedHybridCache)  # for isinstance
 
 
-def empty_paged_cache(model: ModelConfig, config: EngineConfig) -> PagedCache:
-    """The zero paged cache of `config` for `model`: an attention model's pools, or a hybrid model's."""
+def empty_paged_cache(model: ModelConfig, config: EngineConfig, combined: bool) -> PagedCache:
+    """The zero paged cache of `config` for `model`, its pools in the combined layout or the split one
+    (`page_pool.uses_combined_pages`): an attention model's pools, or a hybrid model's."""
     if model.hybrid is None:
-        return PagedKVCache.zeros(model, config.max_slots, config.pool_pages, config.page_size, config.max_pages)
-    return PagedHybridCache.zeros(model, config)
+        pages, page, table = config.pool_pages, config.page_size, config.max_pages
+        return PagedKVCache.zeros(model, config.max_slots, pages, page, table, combined=combined)
+    return PagedHybridCache.zeros(model, config, combined)
 
 
 def paged_prefill(
@@ -142,26 +145,28 @@ def paged_decode(
     if isinstance(cache, PagedHybridCache):
         assert isinstance(model, HybridDecoder)  # a hybrid model's cache
         kv = cache.kv
-        logits_BxV, k, v, recurrent, routing = model.decode_step_paged_recurrent(
-            tokens_B, positions_B, kv.k, kv.v, kv.page_table, attend_pages, cache.recurrent, layer_states
+        logits_BxV, pools, recurrent, routing = model.decode_step_paged_recurrent(
+            tokens_B, positions_B, kv.pools, kv.page_table, attend_pages, cache.recurrent, layer_states
         )
-        moved = dataclasses.replace(kv, k=k, v=v)
+        moved = dataclasses.replace(kv, pools=pools)
         return logits_BxV, PagedHybridCache(kv=moved, state=recurrent.state, window=recurrent.window), routing
-    logits_BxV, k, v, routing = model.decode_step_paged_routed(
-        tokens_B, positions_B, cache.k, cache.v, cache.page_table, attend_pages, layer_states
+    logits_BxV, pools, routing = model.decode_step_paged_routed(
+        tokens_B, positions_B, cache.pools, cache.page_table, attend_pages, layer_states
     )
-    return logits_BxV, dataclasses.replace(cache, k=k, v=v), routing
+    return logits_BxV, dataclasses.replace(cache, pools=pools), routing
 
 
-def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh) -> PagedCache:
+def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh, combined: bool) -> PagedCache:
     """Where a paged cache's arrays live on `mesh`: the pools split over KV heads like the attention weights
-    (replicated along the other axes: any slot may hold any page), the page table replicated; a hybrid model's
-    states and windows as the dense cache's (`slot_cache.recurrent_shardings`)."""
-    shape = (model.num_kv_heads, config.pool_pages, config.page_size, model.resolved_head_dim)
-    pool = NamedSharding(mesh, logical_to_spec(PAGE_POOL_AXES, shape, mesh))
-    # a pytree of shardings, shaped like a PagedKVCache: one sharding for every layer's pool
-    kv: Any = PagedKVCache(k=pool, v=pool, page_table=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]
-    if model.hybrid is None:
+    (replicated along the other axes: any slot may hold any page; `page_pool.pool_sharding`), the page table
+    replicated; a hybrid model's states and windows as the dense cache's (`slot_cache.recurrent_shardings`)."""
+    hy = model.hybrid
+    layers = model.num_layers if hy is None else hy.count("full_attention")
+    pool = pool_sharding(model, config.pool_pages, config.page_size, combined, mesh)
+    # a pytree of shardings, shaped like a PagedKVCache: one for every layer's pool
+    table: Any = NamedSharding(mesh, PartitionSpec())
+    kv = PagedKVCache(pools=(pool,) * layers, page_table=table)
+    if hy is None:
         return kv
     recurrent = recurrent_shardings(model, config.max_slots, mesh)
     return PagedHybridCache(kv=kv, state=recurrent.state, window=recurrent.window)

@@ -9,9 +9,7 @@ the query's. `get_attention(name, decode=True)` returns the decode attention: on
 slot attends to the slot's cache entries that `valid_BxS` marks (up to and including its own, already
 written). Row attention: `xla` (plain JAX), `splash` (JAX's Pallas TPU kernel, `models/splash.py`; in
 Pallas's interpreter off TPU), `auto` (splash on TPU where it applies, else xla); decode attention: plain JAX
-under every name. `paged_decode_attention` is the decode attention over a paged
-cache (`areal_jax/inference/paged.py`): JAX's TPU kernel on TPU where it applies, else a reference in
-plain JAX (gathering a block of pages at a time).
+under every name. The decode attention over a paged cache is `paged_attention.py`'s.
 """
 
 from __future__ import annotations
@@ -172,128 +170,6 @@ def xla_decode_attention(
         out_BxKxGxH = out_BxKxGxH + jnp.einsum("bkgs,bksh->bkgh", probs, v, preferred_element_type=jnp.float32)
         start += v.shape[2]
     return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
-
-
-# Tokens of pages the reference paged attention gathers per block (pages of 16: 4 per block); measured
-# on XLA:CPU (64 slots, 512 tokens attended): gathering every attended page at once is 3-4x slower than
-# blocks of 32..64 tokens, whose gathered copy stays in cache.
-PAGED_BLOCK_TOKENS = 64
-
-
-def pages_per_block(page_size: int, attend_pages: int) -> int:
-    """Pages the reference paged attention takes per block: about PAGED_BLOCK_TOKENS tokens, at most
-    `attend_pages`."""
-    return max(1, min(attend_pages, PAGED_BLOCK_TOKENS // page_size))
-
-
-def xla_paged_decode_attention(
-    q_Bx1xNxH: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
-) -> jax.Array:
-    """One query token per row attending to its row's cache positions [0, positions_B] held in the pages
-    `pages_BxM` lists (in sequence order; every entry a valid pool index) of the pools k/v [K, P, page, H].
-
-    A `lax.scan` over blocks of pages with a running (online) softmax: each block's pages are gathered
-    into a small [K, B, block * page, H] copy, never the whole attended cache. M must be a multiple of
-    the block (`pages_per_block`)."""
-    b, _, n, h = q_Bx1xNxH.shape
-    k_heads, _, page, _ = k_pages.shape
-    g, m = n // k_heads, pages_BxM.shape[1]
-    block = pages_per_block(page, m)
-    tokens = block * page
-    q_BxKxGxH = q_Bx1xNxH.reshape(b, k_heads, g, h)
-    blocks_NxBxC = pages_BxM.reshape(b, m // block, block).swapaxes(0, 1)
-
-    def one_block(carry: tuple[jax.Array, jax.Array, jax.Array], xs: tuple[jax.Array, jax.Array]):
-        max_BxKxG, sum_BxKxG, out_BxKxGxH = carry
-        pages_BxC, first = xs
-        k_KxBxTxH = k_pages.at[:, pages_BxC].get(mode="promise_in_bounds").reshape(k_heads, b, tokens, h)
-        v_KxBxTxH = v_pages.at[:, pages_BxC].get(mode="promise_in_bounds").reshape(k_heads, b, tokens, h)
-        scores_BxKxGxT = jnp.einsum("bkgh,kbth->bkgt", q_BxKxGxH, k_KxBxTxH, preferred_element_type=jnp.float32) * (
-            h**-0.5
-        )
-        valid_BxT = (first + jnp.arange(tokens))[None, :] <= positions_B[:, None]
-        scores_BxKxGxT = jnp.where(valid_BxT[:, None, None, :], scores_BxKxGxT, jnp.finfo(jnp.float32).min)
-        new_max = jnp.maximum(max_BxKxG, scores_BxKxGxT.max(axis=-1))
-        weights_BxKxGxT = jnp.exp(scores_BxKxGxT - new_max[..., None])
-        rescale = jnp.exp(max_BxKxG - new_max)
-        sum_BxKxG = sum_BxKxG * rescale + weights_BxKxGxT.sum(axis=-1)
-        out_BxKxGxH = out_BxKxGxH * rescale[..., None] + jnp.einsum(
-            "bkgt,kbth->bkgh", weights_BxKxGxT.astype(v_KxBxTxH.dtype), v_KxBxTxH, preferred_element_type=jnp.float32
-        )
-        return (new_max, sum_BxKxG, out_BxKxGxH), None
-
-    init = (
-        jnp.full((b, k_heads, g), jnp.finfo(jnp.float32).min, jnp.float32),
-        jnp.zeros((b, k_heads, g), jnp.float32),
-        jnp.zeros((b, k_heads, g, h), jnp.float32),
-    )
-    firsts = jnp.arange(m // block, dtype=jnp.int32) * tokens
-    (_, sum_BxKxG, out_BxKxGxH), _ = jax.lax.scan(one_block, init, (blocks_NxBxC, firsts))
-    out_BxKxGxH = out_BxKxGxH / sum_BxKxG[..., None]
-    return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
-
-
-def tpu_paged_kernel_applies(head_dim: int, page_size: int) -> bool:
-    """Whether JAX's TPU paged attention kernel takes these shapes in the program being built: for TPU devices
-    only (the mesh's, `mesh_platform`), head dims a multiple of 128 and pages a multiple of 8 tokens (its block
-    tiling)."""
-    return mesh_platform() == "tpu" and head_dim % 128 == 0 and page_size % 8 == 0
-
-
-def tpu_paged_decode_attention(
-    q_Bx1xNxH: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
-) -> jax.Array:
-    """`xla_paged_decode_attention` by JAX's Pallas TPU kernel (`paged_attention`), which takes the pools in
-    their layout. Not tested here (no TPU): the reference is what the tests check."""
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-
-    b, _, n, h = q_Bx1xNxH.shape
-    q_BxNxH = (q_Bx1xNxH[:, 0] * (h**-0.5)).astype(k_pages.dtype)
-    m = pages_BxM.shape[1]
-
-    def kernel(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, pages: jax.Array) -> jax.Array:
-        return paged_attention(q, k, v, lengths, pages, pages_per_compute_block=pages_per_block(k.shape[2], m))
-
-    lengths_B = (positions_B + 1).astype(jnp.int32)
-    out_BxNxH = _on_mesh_shards(kernel, q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
-    return out_BxNxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
-
-
-def _on_mesh_shards(
-    kernel: Callable[..., jax.Array],
-    q_BxNxH: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    lengths_B: jax.Array,
-    pages_BxM: jax.Array,
-) -> jax.Array:
-    """`kernel` per shard of the mesh of `jax.set_mesh` (XLA cannot partition a Pallas kernel): slots split
-    like the decode state's, heads like the pools' (query heads with their KV heads), pools whole along the
-    slot axes (any slot may hold any page). Without a mesh of several devices, `kernel` as it is."""
-    from areal_jax.sharding import logical_to_spec
-
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return kernel(q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
-    P = jax.sharding.PartitionSpec
-    heads = logical_to_spec(("kv_heads",), k_pages.shape[:1], mesh)[0]
-    slots = logical_to_spec(("slots",), q_BxNxH.shape[:1], mesh)[0]
-    pool = P(heads, None, None, None)
-    return jax.shard_map(
-        kernel,
-        in_specs=(P(slots, heads, None), pool, pool, P(slots), P(slots, None)),
-        out_specs=P(slots, heads, None),
-        check_vma=False,
-    )(q_BxNxH, k_pages, v_pages, lengths_B, pages_BxM)
-
-
-def paged_decode_attention(
-    q_Bx1xNxH: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages_BxM: jax.Array, positions_B: jax.Array
-) -> jax.Array:
-    """The paged decode attention: the TPU kernel where `tpu_paged_kernel_applies`, else the reference."""
-    if tpu_paged_kernel_applies(k_pages.shape[3], k_pages.shape[2]):
-        return tpu_paged_decode_attention(q_Bx1xNxH, k_pages, v_pages, pages_BxM, positions_B)
-    return xla_paged_decode_attention(q_Bx1xNxH, k_pages, v_pages, pages_BxM, positions_B)
 
 
 ATTENTION_IMPLS: dict[str, AttentionFn] = {"auto": auto_attention, "xla": xla_attention, "splash": splash_attention}

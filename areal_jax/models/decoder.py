@@ -31,6 +31,7 @@ from areal_jax.models.config import ModelConfig
 from areal_jax.models.layers import DecoderLayer, RMSNorm, _param
 from areal_jax.models.lora import lora_rngs
 from areal_jax.models.moe import RouterOutput, routing_dtype, sparse_layer_ids
+from areal_jax.models.page_pool import PagePool
 from areal_jax.models.paged_decode import PagedDecodeStep
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
@@ -447,52 +448,49 @@ class Decoder(nnx.Module):
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
-        k_pages: Sequence[jax.Array],
-        v_pages: Sequence[jax.Array],
+        pools: Sequence[PagePool],
         page_table_BxM: jax.Array,
         attend_pages: int,
         layer_states: Sequence[nnx.State] | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    ) -> tuple[jax.Array, tuple[PagePool, ...]]:
         """See `decode_step_paged_routed` (the same without the routing)."""
-        return self.decode_step_paged_routed(
-            tokens_B, positions_B, k_pages, v_pages, page_table_BxM, attend_pages, layer_states
-        )[:3]
+        return self.decode_step_paged_routed(tokens_B, positions_B, pools, page_table_BxM, attend_pages, layer_states)[
+            :2
+        ]
 
     def decode_step_paged_routed(
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
-        k_pages: Sequence[jax.Array],
-        v_pages: Sequence[jax.Array],
+        pools: Sequence[PagePool],
         page_table_BxM: jax.Array,
         attend_pages: int,
         layer_states: Sequence[nnx.State] | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array | None]:
-        """`decode_step` over a paged cache: each layer's pools k/v [K, P, page, H] and the page table
-        [B, M] (entry P: no page). Each slot's new key/value is written at its position's page (dropped
-        where the table has no page), then the slot attends to its first `attend_pages` pages (static;
-        covering every position), masked past its position. Returns fp32 logits [B, V], the pools and each fed
-        token's experts [B, Ym, K] (None when dense)."""
-        step = PagedDecodeStep.plan(page_table_BxM, positions_B, k_pages[0].shape[1], k_pages[0].shape[2], attend_pages)
+    ) -> tuple[jax.Array, tuple[PagePool, ...], jax.Array | None]:
+        """`decode_step` over a paged cache: each layer's pool (`page_pool.py`) and the page table [B, M] (entry
+        P: no page). Each slot's new key/value is written at its position's page (dropped where the table has no
+        page), then the slot attends to its first `attend_pages` pages (static; covering every position), masked
+        past its position. Returns fp32 logits [B, V], the pools and each fed token's experts [B, Ym, K] (None
+        when dense)."""
+        step = PagedDecodeStep.plan(page_table_BxM, positions_B, pools[0].num_pages, pools[0].page_size, attend_pages)
         sin, cos = self._rope(positions_B[:, None])
         graphdef, _ = nnx.split(self.layers)
         layer_states = self.layer_states() if layer_states is None else layer_states
         x_Bx1xD = self._embed(tokens_B[:, None])
-        keys, values = [], []
+        written: list[PagePool] = []
         routers: list[RouterOutput | None] = []
-        for y, (layer_state, k_pool, v_pool) in enumerate(zip(layer_states, k_pages, v_pages, strict=True)):
+        for y, (layer_state, pool) in enumerate(zip(layer_states, pools, strict=True)):
             layer = nnx.merge(graphdef, layer_state)
             q, k, v = layer.attention_inputs(x_Bx1xD, sin, cos)
-            out, k_pool, v_pool = step.write_and_attend(q, k, v, k_pool, v_pool)
-            keys.append(k_pool)
-            values.append(v_pool)
+            out, pool = step.write_and_attend(q, k, v, pool)
+            written.append(pool)
             x_Bx1xD, router = layer.finish_routed(x_Bx1xD, out, layer=y)
             routers.append(router)
         logits_BxV = jnp.einsum(
             "bd,dv->bv", self.final_norm(x_Bx1xD[:, 0]), self.head_kernel(), preferred_element_type=jnp.float32
         )
         logits_BxV = mask_padded_vocab(logits_BxV, self.config.usable_vocab)
-        return logits_BxV, tuple(keys), tuple(values), self._step_experts(routers)
+        return logits_BxV, tuple(written), self._step_experts(routers)
 
 
 def chunked_logprobs(

@@ -51,6 +51,7 @@ from areal_jax.models.gated_delta import (
 from areal_jax.models.hybrid_serving import HybridCache
 from areal_jax.models.layers import RMSNorm, SwiGLU, _const, _param
 from areal_jax.models.moe import MoEBlock, RouterOutput
+from areal_jax.models.page_pool import PagePool
 from areal_jax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 _RECURRENT = (
@@ -488,17 +489,16 @@ class HybridDecoder(Decoder):
         self,
         tokens_B: jax.Array,
         positions_B: jax.Array,
-        k_pages: Sequence[jax.Array],
-        v_pages: Sequence[jax.Array],
+        pools: Sequence[PagePool],
         page_table_BxM: jax.Array,
         attend_pages: int,
         recurrent: HybridCache,
         layer_states: Sequence[nnx.State] | None = None,
-    ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], HybridCache, jax.Array | None]:
+    ) -> tuple[jax.Array, tuple[PagePool, ...], HybridCache, jax.Array | None]:
         """One token per slot over the full layers' page pools and each slot's states and windows: logits, the
         pools, the recurrent part and the experts (`hybrid_serving.decode_step_paged`)."""
         return hybrid_serving.decode_step_paged(
-            self, tokens_B, positions_B, k_pages, v_pages, page_table_BxM, attend_pages, recurrent, layer_states
+            self, tokens_B, positions_B, pools, page_table_BxM, attend_pages, recurrent, layer_states
         )
 
 

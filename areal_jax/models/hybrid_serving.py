@@ -30,6 +30,7 @@ from areal_jax.models.attention import get_attention
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KVCache, mask_padded_vocab
 from areal_jax.models.moe import RouterOutput, routing_dtype
+from areal_jax.models.page_pool import PagePool
 from areal_jax.models.paged_decode import PagedDecodeStep
 from areal_jax.models.rope import inverse_frequencies, rope_tables
 
@@ -318,23 +319,22 @@ def decode_step_paged(
     model: HybridModel,
     tokens_B: jax.Array,
     positions_B: jax.Array,
-    k_pages: Sequence[jax.Array],
-    v_pages: Sequence[jax.Array],
+    pools: Sequence[PagePool],
     page_table_BxM: jax.Array,
     attend_pages: int,
     recurrent: HybridCache,
     layer_states: Sequence[nnx.State] | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], HybridCache, jax.Array | None]:
+) -> tuple[jax.Array, tuple[PagePool, ...], HybridCache, jax.Array | None]:
     """`decode_step_routed` with the full layers' keys and values in pages (the `Decoder`'s paged step for each:
-    `PagedDecodeStep`; pools k/v [K, P, page, H] per full layer, the page table [B, M], `attend_pages` static and
-    covering every position) and each slot's state and window in `recurrent` (kv None). Returns fp32 logits
-    [B, V], the pools, the recurrent part moved on and each fed token's experts [B, Y, K] (None when dense)."""
-    step = PagedDecodeStep.plan(page_table_BxM, positions_B, k_pages[0].shape[1], k_pages[0].shape[2], attend_pages)
-    keys, values = list(k_pages), list(v_pages)
+    `PagedDecodeStep`; a pool per full layer, the page table [B, M], `attend_pages` static and covering every
+    position) and each slot's state and window in `recurrent` (kv None). Returns fp32 logits [B, V], the pools,
+    the recurrent part moved on and each fed token's experts [B, Y, K] (None when dense)."""
+    step = PagedDecodeStep.plan(page_table_BxM, positions_B, pools[0].num_pages, pools[0].page_size, attend_pages)
+    written = list(pools)
 
     def paged_attention(y: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        out, keys[y], values[y] = step.write_and_attend(q, k, v, keys[y], values[y])
+        out, written[y] = step.write_and_attend(q, k, v, written[y])
         return out
 
     logits_BxV, moved, experts = _decode_layers(model, tokens_B, positions_B, recurrent, layer_states, paged_attention)
-    return logits_BxV, tuple(keys), tuple(values), moved, experts
+    return logits_BxV, tuple(written), moved, experts

@@ -2,8 +2,9 @@
 `Decoder`'s layers, a `HybridDecoder`'s full-attention layers): where each slot's new key/value goes, which pages
 it attends to, and a layer's write-then-attend over its pools.
 
-Layout (`inference/paged.py`): per layer, pools k/v [K, P, page, H]; a page table [B, M] maps a slot's j-th page
-to a pool page, P (past the pool) meaning "no page" (a write there is dropped, a read clamped and masked).
+Layout (`inference/paged.py`): per layer, a pool (`page_pool.py`: split or combined); a page table [B, M] maps a
+slot's j-th page to a pool page, P (past the pool) meaning "no page" (a write there is dropped, a read clamped and
+masked).
 
 Legend: B slots, M pages per slot, P pool pages, K kv heads, N query heads, H head dim.
 """
@@ -15,7 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from areal_jax.models.attention import paged_decode_attention, pages_per_block
+from areal_jax.models.page_pool import PagePool
+from areal_jax.models.paged_attention import pages_per_block
 
 
 class PagedDecodeStep(NamedTuple):
@@ -41,11 +43,9 @@ class PagedDecodeStep(NamedTuple):
         return cls(write_page_B, positions_B % page_size, read_BxM, positions_B)
 
     def write_and_attend(
-        self, q_Bx1xNxH: jax.Array, k_Bx1xKxH: jax.Array, v_Bx1xKxH: jax.Array, k_pool: jax.Array, v_pool: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        self, q_Bx1xNxH: jax.Array, k_Bx1xKxH: jax.Array, v_Bx1xKxH: jax.Array, pool: PagePool
+    ) -> tuple[jax.Array, PagePool]:
         """One layer: each slot's new key/value written at its position's page, then its query attending to its
-        pages up to and including it. Returns the attention output [B, 1, N, H] and the two pools."""
-        page_B, offset_B = self.write_page_B, self.offset_B
-        k_pool = k_pool.at[:, page_B, offset_B].set(k_Bx1xKxH[:, 0].swapaxes(0, 1).astype(k_pool.dtype), mode="drop")
-        v_pool = v_pool.at[:, page_B, offset_B].set(v_Bx1xKxH[:, 0].swapaxes(0, 1).astype(v_pool.dtype), mode="drop")
-        return paged_decode_attention(q_Bx1xNxH, k_pool, v_pool, self.read_BxM, self.positions_B), k_pool, v_pool
+        pages up to and including it. Returns the attention output [B, 1, N, H] and the pool."""
+        pool = pool.write(self.write_page_B, self.offset_B, k_Bx1xKxH[:, 0], v_Bx1xKxH[:, 0])
+        return pool.attend(q_Bx1xNxH, self.read_BxM, self.positions_B), pool

@@ -34,15 +34,17 @@ from typing import Any
 
 import numpy as np
 from flax import nnx
+from jax.sharding import AbstractMesh
 
 from areal_jax.config import ExperimentConfig
 from areal_jax.inference.engine import EngineConfig
-from areal_jax.inference.paged import PAGE_POOL_AXES
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import KEY_CACHE_AXES, VALUE_CACHE_AXES, segment_ends
 from areal_jax.models.hybrid import new_decoder
 from areal_jax.models.lora import split_trainable
 from areal_jax.models.moe import routing_dtype, sparse_layer_ids
+from areal_jax.models.page_pool import pool_shard_shape, uses_combined_pages
+from areal_jax.models.paged_attention import kv_head_shards
 from areal_jax.planning import memory_terms as memory
 from areal_jax.planning.layouts import shard_shape, state_bytes, tiled_elements
 from areal_jax.planning.memory_terms import (
@@ -181,10 +183,12 @@ def inference_items(
     if engine.keeps_layer_copies(PLATFORM):
         copies = state_bytes(state["layers"], mesh_shape, PLATFORM, served)
         items.append(MemoryItem("per-layer weight copies", copies, ("rollout.engine.decode_layer_copies",)))
-    h, y = model.resolved_head_dim, model.num_layers
+    y = model.num_layers
     if engine.paged:
-        pool = shard_shape((model.num_kv_heads, engine.pool_pages, engine.page_size, h), PAGE_POOL_AXES, mesh_shape)
-        kv = y * 2 * tiled_elements(pool, PLATFORM) * c
+        mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+        combined = uses_combined_pages(engine.page_layout, model, PLATFORM, kv_head_shards(model.num_kv_heads, mesh))
+        pool = pool_shard_shape(model, engine.pool_pages, engine.page_size, combined, mesh)
+        kv = y * (1 if combined else 2) * tiled_elements(pool, PLATFORM) * c
         kv_name = f"KV cache (paged: {engine.pool_pages} pages of {engine.page_size})"
         kv_keys = ("rollout.engine.num_pages", "rollout.engine.page_size", "rollout.engine.max_length")
         segments = 1
