@@ -61,13 +61,19 @@ def test_both_layouts_hold_the_same_entries_after_inserts_and_decode_writes():
     assert not np.asarray(split.k)[:, [2, 4]].any()  # pages nobody wrote
 
 
-def test_the_reference_attention_reads_either_layout_alike():
-    rng = np.random.default_rng(1)
+def _decode_inputs(seed: int):
+    """Pools of 40 pages of 8 tokens (2 KV heads of 16) in both layouts, 3 slots' page tables of 8 pages, their
+    queries (3 query heads a KV head) and positions."""
+    rng = np.random.default_rng(seed)
     b, k_heads, g, h, page, pool, attend = 3, 2, 3, 16, 8, 40, 8
     split, combined = _random_pools(rng, k_heads, pool, page, h)
     table = jnp.asarray(rng.permutation(pool)[: b * attend].reshape(b, attend), jnp.int32)
     q = jnp.asarray(rng.standard_normal((b, 1, k_heads * g, h)), jnp.float32)
-    positions = jnp.array([0, 37, 63], jnp.int32)
+    return split, combined, table, q, jnp.array([0, 37, 63], jnp.int32)
+
+
+def test_the_reference_attention_reads_either_layout_alike():
+    split, combined, table, q, positions = _decode_inputs(1)
     attend_fn = jax.jit(xla_paged_decode_attention)
     np.testing.assert_allclose(attend_fn(q, combined, table, positions), attend_fn(q, split, table, positions), 1e-6)
 
@@ -79,12 +85,8 @@ def test_the_ragged_kernels_inputs_give_our_answer_by_its_own_reference():
     `ref_ragged_paged_attention`, reads the same pool and inputs here; it must answer as our XLA path does."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
-    rng = np.random.default_rng(2)
-    b, k_heads, g, h, page, pool, attend = 3, 2, 3, 16, 8, 40, 8
-    _, combined = _random_pools(rng, k_heads, pool, page, h)
-    table = jnp.asarray(rng.permutation(pool)[: b * attend].reshape(b, attend), jnp.int32)
-    q = jnp.asarray(rng.standard_normal((b, 1, k_heads * g, h)), jnp.float32)
-    positions = jnp.array([0, 37, 63], jnp.int32)
+    _, combined, table, q, positions = _decode_inputs(2)
+    h = q.shape[-1]
     want = jax.jit(xla_paged_decode_attention)(q, combined, table, positions)
     got = ref_ragged_paged_attention(*ragged_decode_args(q[:, 0], combined.kv, positions, table), sm_scale=h**-0.5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want)[:, 0], atol=1e-5)

@@ -71,6 +71,7 @@ class CompiledProgram:
     aliased: int
     temporaries: int
     code: int
+    heap: int  # XLA's peak heap: arguments, outputs and temporaries live at once (0: not reported)
     resident: int  # of `arguments`, the resident state in the compiler's layouts (counted once in the chip's total)
     xla_flops: float  # XLA's cost analysis (a `while` body counted once)
     xla_bytes: float
@@ -93,8 +94,15 @@ class CompiledProgram:
 
     @property
     def transient(self) -> int:
-        """What the program needs beside the resident state while it runs: its other arguments, temporaries,
-        the outputs that do not reuse an argument's buffer, and its code."""
+        """What the program needs beside the resident state while it runs, with its code: XLA's peak heap (its
+        arguments, outputs and temporaries as they are live at once) less the resident state. XLA:TPU's own
+        out-of-memory check counts that heap: it compiled a program whose heap fit v5e's 15.75 GiB though its
+        arguments + outputs + `temp_size_in_bytes` came to 17.5 GiB, and refused one whose heap did not
+        (docs/tpu.md). `temp_size_in_bytes` is not the heap's rest: it counts the outputs again (a dense gradient
+        program: preallocated temporaries + the live-out outputs) and, around a Gated DeltaNet layer's scan, more
+        than the buffer assignment holds. Without a reported heap: arguments + temporaries + outputs - aliased."""
+        if self.heap:
+            return self.heap - self.resident + self.code
         return self.arguments - self.resident + self.temporaries + self.outputs - self.aliased + self.code
 
 
@@ -131,6 +139,7 @@ def compile_with_outputs(spec: ProgramSpec) -> tuple[CompiledProgram, Any]:
         aliased=int(memory.alias_size_in_bytes),
         temporaries=int(memory.temp_size_in_bytes),
         code=int(memory.generated_code_size_in_bytes),
+        heap=int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
         resident=resident,
         xla_flops=float(cost.get("flops", 0.0)),
         xla_bytes=float(cost.get("bytes accessed", 0.0)),

@@ -85,12 +85,12 @@ class SideReport:
         unit, scale = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         out = [
             f"{self.side} on {self.chips} chip(s), mesh {shape}",
-            f"  per chip, {unit}:                  compile   args    out  alias   temp   code | TFLOP   roofline  "
-            "tokens/s",
+            f"  per chip, {unit}:                  compile   args    out  alias   temp   heap   code | TFLOP   "
+            "roofline  tokens/s",
         ]
         for p in self.programs:
             r = self.roofline(p)
-            sizes = (p.arguments, p.outputs, p.aliased, p.temporaries, p.code)
+            sizes = (p.arguments, p.outputs, p.aliased, p.temporaries, p.heap, p.code)
             out.append(
                 f"  {p.name:<32} {p.seconds:6.1f}s "
                 + " ".join(f"{size / scale:6.2f}" for size in sizes)
