@@ -29,7 +29,8 @@ from tests.prompt_order import uninterrupted_prompts
 from tests.short_runs import SHORT_TRAIN_CPU
 from tests.xla_flags import xla_flags
 
-PROMPTS = 32  # 16 steps: every interruption below lands well inside the epoch
+PROMPTS = 40  # 20 steps: every interruption below lands well inside the epoch (at 16 steps, one CI run saw the
+# third run reach the last step before its SIGKILL landed: nothing was left for the resumed run to do)
 BATCH = 2
 ETA = 2
 RUN = [
