@@ -281,5 +281,5 @@ def test_a_program_fits_by_xlas_heap_not_by_its_reported_temporaries():
     program = compile_program(_scan_gradient_on_one_v5e(90112))
     assert program.heap < 15.75 * gib < program.arguments + program.outputs + program.temporaries
     assert program.transient == program.heap + program.code  # nothing resident
-    with pytest.raises(Exception, match="exceeds available HBM"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="exceeds available HBM"):
         compile_program(_scan_gradient_on_one_v5e(131072))

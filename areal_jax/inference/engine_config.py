@@ -9,6 +9,7 @@ from typing import Literal
 from areal_jax.configuration import Config, ConfigError, option
 from areal_jax.inference.paged import PagedSlots, pages_for
 from areal_jax.models.decoder import segment_ends
+from areal_jax.models.page_pool import PageLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class EngineConfig(Config):
         doc="pages in the paged KV cache's pool; null = max_slots x ceil(max_length / page_size), the dense "
         "footprint; at least ceil(max_length / page_size), so one sequence of max_length always fits",
     )
-    page_layout: Literal["auto", "split", "combined"] = option(
+    page_layout: PageLayout = option(
         "auto",
         doc="the paged pools' layout, each read in place by one of JAX's TPU kernels: split (keys and values each "
         "[K, P, page, H]: paged_attention) or combined ([P, page, 2K, H]: ragged_paged_attention, head dim 128 "

@@ -38,6 +38,12 @@ from areal_jax.models.hybrid_serving import HybridCache
 from areal_jax.models.page_pool import pool_sharding
 
 
+def _engine_pools(cfg: ModelConfig, config: EngineConfig, combined: bool, layers: int | None = None) -> PagedKVCache:
+    """`config`'s zero pools and page table for `layers` layers of `cfg` (None: all)."""
+    pages, page, table = config.pool_pages, config.page_size, config.max_pages
+    return PagedKVCache.zeros(cfg, config.max_slots, pages, page, table, layers=layers, combined=combined)
+
+
 @flax.struct.dataclass
 class HybridPrefixEntries:
     """A hybrid model's prefilled prompts for a paged engine: the full layers' keys and values (`PrefixEntries`,
@@ -65,10 +71,8 @@ class PagedHybridCache:
     def zeros(cls, cfg: ModelConfig, config: EngineConfig, combined: bool) -> PagedHybridCache:
         hy = cfg.hybrid
         assert hy is not None  # a qwen3_5 model
-        slots, full = config.max_slots, hy.count("full_attention")
-        pages, page, table = config.pool_pages, config.page_size, config.max_pages
-        kv = PagedKVCache.zeros(cfg, slots, pages, page, table, layers=full, combined=combined)
-        recurrent = HybridCache.recurrent_zeros(cfg, slots)
+        kv = _engine_pools(cfg, config, combined, layers=hy.count("full_attention"))
+        recurrent = HybridCache.recurrent_zeros(cfg, config.max_slots)
         return cls(kv=kv, state=recurrent.state, window=recurrent.window)
 
     @property
@@ -104,8 +108,7 @@ def empty_paged_cache(model: ModelConfig, config: EngineConfig, combined: bool) 
     """The zero paged cache of `config` for `model`, its pools in the combined layout or the split one
     (`page_pool.uses_combined_pages`): an attention model's pools, or a hybrid model's."""
     if model.hybrid is None:
-        pages, page, table = config.pool_pages, config.page_size, config.max_pages
-        return PagedKVCache.zeros(model, config.max_slots, pages, page, table, combined=combined)
+        return _engine_pools(model, config, combined)
     return PagedHybridCache.zeros(model, config, combined)
 
 
@@ -160,13 +163,9 @@ def paged_cache_shardings(model: ModelConfig, config: EngineConfig, mesh: Mesh, 
     """Where a paged cache's arrays live on `mesh`: the pools split over KV heads like the attention weights
     (replicated along the other axes: any slot may hold any page; `page_pool.pool_sharding`), the page table
     replicated; a hybrid model's states and windows as the dense cache's (`slot_cache.recurrent_shardings`)."""
-    hy = model.hybrid
-    layers = model.num_layers if hy is None else hy.count("full_attention")
-    pool = pool_sharding(model, config.pool_pages, config.page_size, combined, mesh)
-    # a pytree of shardings, shaped like a PagedKVCache: one for every layer's pool
-    table: Any = NamedSharding(mesh, PartitionSpec())
-    kv = PagedKVCache(pools=(pool,) * layers, page_table=table)
-    if hy is None:
+    pools: Any = pool_sharding(model, combined, mesh)  # a pytree prefix: one sharding for every layer's pool
+    kv = PagedKVCache(pools=pools, page_table=NamedSharding(mesh, PartitionSpec()))  # type: ignore[arg-type]
+    if model.hybrid is None:
         return kv
     recurrent = recurrent_shardings(model, config.max_slots, mesh)
     return PagedHybridCache(kv=kv, state=recurrent.state, window=recurrent.window)

@@ -26,13 +26,13 @@ from areal_jax.configuration import ConfigError
 from areal_jax.models.config import DTYPES, ModelConfig
 from areal_jax.models.paged_attention import (
     kv_head_shards,
+    kv_heads_spec,
     ragged_kernel_applies,
     split_kernel_applies,
     tpu_paged_decode_attention,
     tpu_ragged_decode_attention,
     xla_paged_decode_attention,
 )
-from areal_jax.sharding import logical_to_spec
 
 PageLayout = Literal["auto", "split", "combined"]
 
@@ -173,11 +173,9 @@ def pool_shard_shape(cfg: ModelConfig, num_pages: int, page_size: int, combined:
     return (num_pages, page_size, 2 * k // shards, h) if combined else (k // shards, num_pages, page_size, h)
 
 
-def pool_sharding(cfg: ModelConfig, num_pages: int, page_size: int, combined: bool, mesh: Any) -> Any:
-    """Where a layer's pool lives on `mesh`: a pytree of shardings shaped like the pool (`pool_shard_shape`)."""
-    heads = logical_to_spec(("kv_heads",), (cfg.num_kv_heads,), mesh)[0]
-    P = jax.sharding.PartitionSpec
-    if combined:
-        return CombinedPages(kv=jax.NamedSharding(mesh, P(None, None, heads, None)))  # type: ignore[arg-type]
-    split = jax.NamedSharding(mesh, P(heads, None, None, None))
-    return SplitPages(k=split, v=split)  # type: ignore[arg-type]
+def pool_sharding(cfg: ModelConfig, combined: bool, mesh: Any) -> jax.NamedSharding:
+    """Where every array of every layer's pool lives on `mesh` (one sharding, a pytree prefix of the pools): split
+    over KV heads only (`kv_heads_spec`), replicated along the other axes (any slot may hold any page)."""
+    heads = kv_heads_spec(cfg.num_kv_heads, mesh)
+    spec = (None, None, heads, None) if combined else (heads, None, None, None)
+    return jax.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))

@@ -101,11 +101,18 @@ def xla_paged_decode_attention(
     return out_BxKxGxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
 
 
-def kv_head_shards(kv_heads: int, mesh: Any) -> int:
-    """Devices the KV heads split over on `mesh` (None or empty: 1): the tensor axis where it divides them."""
+def kv_heads_spec(kv_heads: int, mesh: Any) -> Any:
+    """The mesh axes `kv_heads` KV heads split over on `mesh` (a `PartitionSpec` entry; None without a mesh): the
+    tensor axis where it divides them, like the attention weights. A pool's heads split the same way, a combined
+    pool's [2K] axis in whole heads (each key with its value)."""
     if mesh is None or mesh.empty:
-        return 1
-    spec = logical_to_spec(("kv_heads",), (kv_heads,), mesh)[0]
+        return None
+    return logical_to_spec(("kv_heads",), (kv_heads,), mesh)[0]
+
+
+def kv_head_shards(kv_heads: int, mesh: Any) -> int:
+    """Devices the KV heads split over on `mesh` (`kv_heads_spec`; None or empty: 1)."""
+    spec = kv_heads_spec(kv_heads, mesh)
     axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
     return math.prod(mesh.shape[a] for a in axes)
 
@@ -146,7 +153,7 @@ def tpu_paged_decode_attention(
         lengths = (positions + 1).astype(jnp.int32)
         return paged_attention(q, k, v, lengths, pages, pages_per_compute_block=pages_per_block(k.shape[2], m))
 
-    pool_spec = (_heads_spec(k_pages.shape[0]), None, None, None)
+    pool_spec = (kv_heads_spec(k_pages.shape[0], jax.sharding.get_abstract_mesh()), None, None, None)
     out_BxNxH = _on_mesh_shards(kernel, q_BxNxH, (k_pages, v_pages), pool_spec, positions_B, pages_BxM)
     return out_BxNxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
 
@@ -184,15 +191,14 @@ def tpu_ragged_decode_attention(
         )
 
     q_BxNxH = q_Bx1xNxH[:, 0].astype(kv_pages.dtype)
-    pool_spec = (None, None, _heads_spec(kv_pages.shape[2] // 2), None)  # a shard holds whole heads' key and value
+    pool_spec = (
+        None,
+        None,
+        kv_heads_spec(kv_pages.shape[2] // 2, jax.sharding.get_abstract_mesh()),
+        None,
+    )  # a shard holds whole heads' key and value
     out_BxNxH = _on_mesh_shards(kernel, q_BxNxH, (kv_pages,), pool_spec, positions_B, pages_BxM)
     return out_BxNxH.reshape(b, 1, n, h).astype(q_Bx1xNxH.dtype)
-
-
-def _heads_spec(kv_heads: int) -> Any:
-    """The mesh axes `kv_heads` KV heads split over on the mesh of `jax.set_mesh` (None without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh.empty else logical_to_spec(("kv_heads",), (kv_heads,), mesh)[0]
 
 
 def _on_mesh_shards(
